@@ -53,12 +53,16 @@ class ModelConfig:
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
             )
         if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
-            raise ScratchlmError(f"RoPE needs an even head dimension, got d_model/num_heads = {self.head_dim}")
+            raise ScratchlmError(
+                f"RoPE needs an even head dimension, got d_model/num_heads = {self.head_dim}"
+            )
         if not self.rope_theta > 0:
             raise ScratchlmError(f"model.rope_theta must be positive, got {self.rope_theta!r}")
         for name, allowed in (("norm", NORMS), ("positions", POSITIONS), ("ffn", FFNS)):
             if getattr(self, name) not in allowed:
-                raise ScratchlmError(f"model.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+                raise ScratchlmError(
+                    f"model.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
+                )
         if not isinstance(self.tie_embeddings, bool):
             raise ScratchlmError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
@@ -74,5 +78,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ScratchlmError(f"unknown model setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ScratchlmError(
+                f"unknown model setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return cls(**values)

@@ -32,7 +32,11 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 @functools.cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's bijection from the 256 byte values to printable unicode characters."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping = {b: chr(b) for b in printable}
     shifted = 0
     for b in range(256):
@@ -73,7 +77,9 @@ def save_tokenizer(
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         with atomic_write(tmp / VOCAB_FILE, "w") as f:
-            json.dump({token_to_text(tok): i for i, tok in sorted(vocab.items())}, f, ensure_ascii=False, indent=0)
+            json.dump(
+                {token_to_text(tok): i for i, tok in sorted(vocab.items())}, f, ensure_ascii=False, indent=0
+            )
         with atomic_write(tmp / MERGES_FILE, "w") as f:
             f.write("#version: 0.2\n")
             f.writelines(f"{token_to_text(a)} {token_to_text(b)}\n" for a, b in merges)
@@ -95,14 +101,18 @@ def load_vocab(vocab_path: str | os.PathLike) -> dict[int, bytes]:
     vocab: dict[int, bytes] = {}
     for token_text, token_id in raw.items():
         if not isinstance(token_id, int) or token_id < 0:
-            raise ScratchlmError(f"{vocab_path}: token {token_text!r} has id {token_id!r}, expected an integer ≥ 0")
+            raise ScratchlmError(
+                f"{vocab_path}: token {token_text!r} has id {token_id!r}, expected an integer ≥ 0"
+            )
         if token_id in vocab:
             raise ScratchlmError(f"{vocab_path}: id {token_id} is used twice")
         vocab[token_id] = text_to_token(token_text)
     return vocab
 
 
-def load_merges(merges_path: str | os.PathLike, vocab: dict[int, bytes] | None = None) -> list[tuple[bytes, bytes]]:
+def load_merges(
+    merges_path: str | os.PathLike, vocab: dict[int, bytes] | None = None
+) -> list[tuple[bytes, bytes]]:
     """Read a GPT-2 style `merges.txt`; with `vocab`, check that both parts of every merge are tokens."""
     merges_path = Path(merges_path)
     known = set(vocab.values()) if vocab is not None else None
@@ -112,12 +122,16 @@ def load_merges(merges_path: str | os.PathLike, vocab: dict[int, bytes] | None =
             continue
         parts = line.rstrip("\r").split(" ")
         if len(parts) != 2 or not all(parts):
-            raise ScratchlmError(f"{merges_path}, line {lineno}: expected two tokens separated by one space, got {line!r}")
+            raise ScratchlmError(
+                f"{merges_path}, line {lineno}: expected two tokens separated by one space, got {line!r}"
+            )
         first, second = text_to_token(parts[0]), text_to_token(parts[1])
         if known is not None:
             for part, raw in ((first, parts[0]), (second, parts[1])):
                 if part not in known:
-                    raise ScratchlmError(f"{merges_path}, line {lineno}: merge part {raw!r} is not in the vocabulary")
+                    raise ScratchlmError(
+                        f"{merges_path}, line {lineno}: merge part {raw!r} is not in the vocabulary"
+                    )
         merges.append((first, second))
     return merges
 
