@@ -1,0 +1,349 @@
+"""Encoding text to token ids and back with a trained byte-level BPE vocabulary.
+
+Encoding follows the order of training, so that a text is cut exactly where the vocabulary was learnt:
+
+1. Split the text on the special tokens (longest first, so `<|endoftext|><|endoftext|>` beats `<|endoftext|>`
+   when both are special). Each special token becomes its one id and is never merged.
+2. Cut each ordinary piece into pre-tokens with GPT-2's pattern (`pretokenize.PRETOKEN_RE`, or its faster
+   ASCII-only equivalent `ASCII_PRETOKEN_RE` for pure-ASCII pieces).
+3. Turn each pre-token into its UTF-8 bytes and repeatedly merge the adjacent pair with the lowest merge rank
+   (the order in which training created the merges) until no pair of the pre-token is a merge.
+
+Step 3 depends on nothing but the pre-token, and real text repeats its words, so the ids of each pre-token are
+cached (`_BoundedCache`, bounded). With a warm cache, encoding is one regex `findall` and one C-level dict
+lookup per pre-token, flattened by `itertools.chain`: no Python code runs per token, which is where the speed
+comes from. Only a pre-token not seen recently is merged, by `_bpe`.
+
+Streaming (`encode_iterable`) needs places where the text can be cut without changing its encoding, which
+`safe_cut` finds: after a special token that no later text can extend into a longer one, or between two
+characters where GPT-2's pattern always ends a pre-token whatever follows (see `_CUT_RE`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import regex
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.tokenizer.pretokenize import PRETOKEN_RE, special_tokens_regex, split_on_special_tokens
+from scratchlm.tokenizer.serialization import (
+    load_merges,
+    load_tokenizer_files,
+    load_vocab,
+    save_tokenizer,
+)
+
+# Pre-tokens whose ids are kept (roughly 150 bytes each, so about 20 MB when full): enough for the distinct
+# pre-tokens of tens of megabytes of real text, bounded however much text passes through.
+CACHE_SIZE = 1 << 17
+
+# Characters `encode_iterable` gathers before it looks for a place to cut.
+STREAM_CHUNK_CHARS = 1 << 16
+
+# Where GPT-2's pattern ends a pre-token whatever text comes next. The match is the character just before the
+# cut; a pre-token of the pattern never contains both characters around the cut when
+#   - a letter is followed by a non-letter (letter runs, and contractions, end with their last letter),
+#   - a digit is followed by a non-digit (digit runs are the only pre-tokens holding digits),
+#   - a symbol other than the apostrophe is followed by a letter, digit or whitespace (symbol runs end there;
+#     an apostrophe before a letter may open a contraction such as `'s`).
+# Whitespace before the cut is never safe: `\s+(?!\S)` leaves a run's last space to the word after it.
+# The text before such a cut also pre-tokenizes the same when it ends there, so encode(a + b) ==
+# encode(a) + encode(b). `(?r)` searches backwards: the last cut in a window is found first.
+_CUT_RE = regex.compile(r"(?r)\p{L}(?=\P{L})|\p{N}(?=\P{N})|[^\s\p{L}\p{N}'](?=[\s\p{L}\p{N}])")
+
+
+# GPT-2's pattern for ASCII text, for the standard `re` module, which runs it about twice as fast as `regex` runs
+# the Unicode pattern; most documents of English corpora are pure ASCII. On ASCII the classes coincide:
+# \p{L} = [A-Za-z], \p{N} = [0-9], \s = [\t\n\x0b\x0c\r ] (the tests check all 128 characters).
+_WS = r"\t\n\x0b\x0c\r "
+ASCII_PRETOKEN_RE = re.compile(
+    rf"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"""
+)
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer: `vocab` maps ids to byte strings, `merges` lists the merges in creation order.
+
+    Special tokens not in `vocab` are added with the next free ids. Every merge must join two tokens of the
+    vocabulary into a third.
+    """
+
+    def __init__(
+        self,
+        vocab: dict[int, bytes],
+        merges: list[tuple[bytes, bytes]],
+        special_tokens: list[str] | None = None,
+    ) -> None:
+        self.vocab: dict[int, bytes] = dict(vocab)
+        self.merges: list[tuple[bytes, bytes]] = list(merges)
+        self.special_tokens: list[str] = list(dict.fromkeys(special_tokens or []))
+
+        self._token_ids: dict[bytes, int] = {}
+        for token_id, token in sorted(self.vocab.items()):
+            if token in self._token_ids:
+                raise ScratchlmError(
+                    f"vocabulary ids {self._token_ids[token]} and {token_id} are both the token {token!r}"
+                )
+            self._token_ids[token] = token_id
+
+        self._special_ids: dict[str, int] = {}
+        for special in self.special_tokens:
+            if not special:
+                raise ScratchlmError("a special token cannot be the empty string")
+            token = special.encode("utf-8")
+            if token not in self._token_ids:
+                new_id = max(self.vocab, default=-1) + 1
+                self.vocab[new_id] = token
+                self._token_ids[token] = new_id
+            self._special_ids[special] = self._token_ids[token]
+        self._special_re = special_tokens_regex(self.special_tokens)
+        self._longest_special = max(map(len, self.special_tokens), default=0)
+
+        missing_bytes = [b for b in range(256) if bytes([b]) not in self._token_ids]
+        if missing_bytes:
+            raise ScratchlmError(
+                f"the vocabulary lacks {len(missing_bytes)} single-byte tokens (first: {bytes(missing_bytes[:1])!r});"
+                " a byte-level vocabulary needs all 256"
+            )
+        self._byte_ids: list[int] = [self._token_ids[bytes([b])] for b in range(256)]
+
+        # (left id, right id) -> (rank, merged id). The lowest rank is the earliest merge; a pair listed twice
+        # keeps its first rank.
+        self._merges: dict[tuple[int, int], tuple[int, int]] = {}
+        # Each merge may only join tokens that exist by then (bytes or earlier merges), as training makes them.
+        # This is what makes "apply the merges in creation order" and "repeatedly merge the lowest-ranked pair"
+        # the same thing.
+        made = {bytes([b]) for b in range(256)}
+        for rank, (left, right) in enumerate(self.merges):
+            for part in (left, right):
+                if part not in made:
+                    raise ScratchlmError(
+                        f"merge {rank} ({left!r}, {right!r}): {part!r} is neither a byte nor made by an earlier merge"
+                    )
+            made.add(left + right)
+            ids = []
+            for part in (left, right, left + right):
+                if part not in self._token_ids:
+                    raise ScratchlmError(
+                        f"merge {rank} ({left!r}, {right!r}): the token {part!r} is not in the vocabulary"
+                    )
+                ids.append(self._token_ids[part])
+            self._merges.setdefault((ids[0], ids[1]), (rank, ids[2]))
+
+        self._cache = _BoundedCache(self._bpe, CACHE_SIZE)
+
+    # -- construction and saving ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_files(
+        cls,
+        vocab_filepath: str | os.PathLike,
+        merges_filepath: str | os.PathLike,
+        special_tokens: list[str] | None = None,
+    ) -> Tokenizer:
+        """Load GPT-2 style `vocab.json` and `merges.txt` files."""
+        vocab = load_vocab(vocab_filepath)
+        merges = load_merges(merges_filepath, vocab)
+        try:
+            return cls(vocab, merges, special_tokens)
+        except ScratchlmError as e:
+            raise ScratchlmError(f"{vocab_filepath} + {merges_filepath}: {e}") from None
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> Tokenizer:
+        """Load a tokenizer directory written by `save` (or `save_tokenizer`)."""
+        vocab, merges, special_tokens = load_tokenizer_files(directory)
+        try:
+            return cls(vocab, merges, special_tokens)
+        except ScratchlmError as e:
+            raise ScratchlmError(f"{directory}: {e}") from None
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write `vocab.json`, `merges.txt` and `special_tokens.json` into `directory` (atomically)."""
+        return save_tokenizer(directory, self.vocab, self.merges, self.special_tokens)
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its definition: the cache is not worth sending to another process.
+        return (type(self), (self.vocab, self.merges, self.special_tokens))
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+            f"special_tokens={self.special_tokens})"
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id: the number of rows an embedding table needs."""
+        return max(self.vocab) + 1
+
+    def token_id(self, special_token: str) -> int:
+        """The id of a special token, e.g. `token_id("<|endoftext|>")`."""
+        try:
+            return self._special_ids[special_token]
+        except KeyError:
+            raise ScratchlmError(
+                f"{special_token!r} is not a special token of this tokenizer (it has {self.special_tokens})"
+            ) from None
+
+    # -- encoding ---------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text`."""
+        ids: list[int] = []
+        for piece, is_special in split_on_special_tokens(text, self._special_re):
+            if is_special:
+                ids.append(self._special_ids[piece])
+            else:
+                # All C-level while the cache is warm: find the pre-tokens, look each one up, flatten.
+                # (`isascii` costs nothing: CPython records it when it builds the string.)
+                pretokens = (ASCII_PRETOKEN_RE if piece.isascii() else PRETOKEN_RE).findall(piece)
+                ids.extend(itertools.chain.from_iterable(map(self._cache.__getitem__, pretokens)))
+        return ids
+
+    def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
+        """Ids of the concatenation of `iterable` (e.g. an open text file), produced lazily in bounded memory.
+
+        Text is gathered into chunks that end at safe cuts, so the ids are exactly `encode("".join(iterable))`
+        however the input is split. Memory grows only with the longest stretch of text without a safe cut
+        (in practice a few words).
+        """
+        for chunk in self.safe_chunks(iterable, STREAM_CHUNK_CHARS):
+            yield from self.encode(chunk)
+
+    def safe_chunks(self, pieces: Iterable[str], chunk_chars: int) -> Iterator[str]:
+        """Regroup `pieces` into chunks of about `chunk_chars` characters or more whose encodings, concatenated,
+        are the encoding of the whole text."""
+        pending: list[str] = []
+        pending_chars = 0
+        wanted = chunk_chars
+        for piece in pieces:
+            if not isinstance(piece, str):
+                raise TypeError(f"expected pieces of text (str), got {type(piece).__name__}")
+            pending.append(piece)
+            pending_chars += len(piece)
+            if pending_chars < wanted:
+                continue
+            text = "".join(pending)
+            cut = self.safe_cut(text)
+            if cut:
+                yield text[:cut]
+            rest = text[cut:]
+            pending, pending_chars = [rest], len(rest)
+            # Without a cut the text is scanned again only once it has doubled, so a long stretch without a
+            # safe cut costs linear, not quadratic, time.
+            wanted = max(chunk_chars + len(rest), 2 * len(rest))
+        tail = "".join(pending)
+        if tail:
+            yield tail
+
+    def safe_cut(self, text: str) -> int:
+        """The largest position `c` (0 if none) such that for any text `t` that may follow,
+        `encode(text + t) == encode(text[:c]) + encode(text[c:] + t)`."""
+        # A special token starting at `settled` or later might still be completed, or lengthened into a longer
+        # special token, by what follows; one starting before it is fully visible and final.
+        settled = len(text) - max(self._longest_special - 1, 0)
+        cut = 0
+        if self._special_re is not None:
+            for match in self._special_re.finditer(text):
+                if match.start() >= settled:
+                    break
+                cut = match.end()
+        # An ordinary cut needs the character after it to be visible and not part of a possible special token.
+        end = min(settled + 1, len(text))
+        match = _CUT_RE.search(text, cut, end) if end > cut else None
+        return match.end() if match else cut
+
+    def _bpe(self, pretoken: str) -> tuple[int, ...]:
+        """Merge the bytes of one pre-token: repeatedly the adjacent pair with the lowest merge rank, leftmost
+        first, until no adjacent pair is a merge."""
+        try:
+            data = pretoken.encode("utf-8")
+        except UnicodeEncodeError:
+            # Lone surrogates have no UTF-8 form; like tiktoken, read them as U+FFFD (pairs become one character).
+            data = pretoken.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+        ids = [self._byte_ids[b] for b in data]
+        if len(ids) > _LONG_PRETOKEN:
+            return _bpe_long(ids, self._merges)
+        # candidates[k] is the (rank, merged id) of the pair ids[k], ids[k + 1], or _NO_MERGE. Finding the
+        # smallest and its leftmost place is C-level work; after a merge only its two neighbours change.
+        lookup = self._merges.get
+        candidates = list(map(lookup, itertools.pairwise(ids), itertools.repeat(_NO_MERGE)))
+        while candidates and (best := min(candidates)) is not _NO_MERGE:
+            i = candidates.index(best)
+            ids[i : i + 2] = (best[1],)
+            del candidates[i]
+            if i > 0:
+                candidates[i - 1] = lookup((ids[i - 1], ids[i]), _NO_MERGE)
+            if i < len(candidates):
+                candidates[i] = lookup((ids[i], ids[i + 1]), _NO_MERGE)
+        return tuple(ids)
+
+    # -- decoding ---------------------------------------------------------------------------------------------
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD."""
+        if hasattr(ids, "tolist"):  # numpy arrays and torch tensors: plain ints are much faster to look up
+            ids = ids.tolist()
+        try:
+            data = b"".join(map(self.vocab.__getitem__, ids))
+        except KeyError as e:
+            raise ValueError(
+                f"token id {e.args[0]!r} is not in the vocabulary (ids 0..{self.vocab_size - 1})"
+            ) from None
+        return data.decode("utf-8", errors="replace")
+
+
+_NO_MERGE = (float("inf"), -1)
+
+# Pre-tokens longer than this (in bytes) are merged with a heap: the simple loop above rescans every pair after
+# each merge, which is fastest for words but quadratic for, say, a megabyte-long run of letters.
+_LONG_PRETOKEN = 128
+
+
+def _bpe_long(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]]) -> tuple[int, ...]:
+    """The same merges as `Tokenizer._bpe`, in O(n log n): a heap of candidate pairs `(rank, position)` over a
+    linked list of positions. An entry whose pair has changed since it was pushed is skipped when popped."""
+    n = len(ids)
+    following = list(range(1, n + 1))  # next live position (n = none)
+    preceding = list(range(-1, n - 1))  # previous live position (-1 = none)
+    heap = [(*merges[pair], i) for i, pair in enumerate(itertools.pairwise(ids)) if pair in merges]
+    heapq.heapify(heap)
+    while heap:
+        rank, merged_id, i = heapq.heappop(heap)
+        j = following[i]
+        if j >= n or merges.get((ids[i], ids[j]), _NO_MERGE)[0] != rank:
+            continue  # stale: one side of this pair has been merged away since
+        ids[i] = merged_id
+        ids[j] = -1
+        following[i] = following[j]
+        if following[j] < n:
+            preceding[following[j]] = i
+        for left, right in ((preceding[i], i), (i, following[i])):
+            if left >= 0 and right < n and (pair := (ids[left], ids[right])) in merges:
+                heapq.heappush(heap, (*merges[pair], left))
+    return tuple(token for token in ids if token >= 0)
+
+
+class _BoundedCache(dict):
+    """key -> compute(key), computed on first use. When full, the older half is dropped (dicts keep insertion
+    order), so memory stays bounded while frequent keys come straight back."""
+
+    def __init__(self, compute: Callable[[str], tuple[int, ...]], max_size: int) -> None:
+        super().__init__()
+        self._compute = compute
+        self._max_size = max_size
+
+    def __missing__(self, key: str) -> tuple[int, ...]:
+        value = self._compute(key)
+        if len(self) >= self._max_size:
+            for old in list(itertools.islice(self, len(self) // 2)):
+                del self[old]
+        self[key] = value
+        return value
