@@ -5,10 +5,22 @@ merged, counted, or split), then each piece between them is cut by GPT-2's regul
 contractions, runs of letters, runs of digits, runs of other symbols (each optionally led by one space), and
 whitespace. `\\s+(?!\\S)` keeps the last space of a whitespace run attached to the word that follows it, which
 is why " world" and not "world" is the usual token.
+
+Counting pre-tokens over a large corpus (`pretoken_counts`) avoids running that expression over every byte: the
+text is first cut, by a much simpler expression, into segments of a whitespace run followed by a run of
+non-whitespace (`" foo(bar):"`, `"\\n    return"`). No match of the pattern contains a non-whitespace
+character followed by a whitespace character, and the pattern has no look-behind, so each segment pre-tokenizes
+on its own exactly as it does in place. Real text repeats its segments a great deal, so only the distinct
+ones go through the GPT-2 pattern, each weighted by how often it occurs.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import sys
+from array import array
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 import regex
@@ -40,3 +52,54 @@ def split_on_special_tokens(text: str, special_re: regex.Pattern | None) -> list
     if position < len(text):
         parts.append((text[position:], False))
     return parts
+
+
+@functools.cache
+def whitespace() -> frozenset[str]:
+    """The characters the pattern's `\\s` matches, as the installed `regex` module defines them."""
+    # Every code point but the surrogates, built through UTF-32 (a join of a million `chr` is slower).
+    code_points = array("I", range(0xD800)) + array("I", range(0xE000, sys.maxunicode + 1))
+    return frozenset(regex.findall(r"\s", code_points.tobytes().decode(f"utf-32-{sys.byteorder[0]}e")))
+
+
+@functools.cache
+def _segment_re() -> re.Pattern:
+    # A whitespace run then a non-whitespace run (or trailing whitespace); the standard `re` is faster here.
+    space = "".join(map(re.escape, sorted(whitespace())))
+    return re.compile(f"[{space}]*[^{space}]+|[{space}]+")
+
+
+def pretoken_counts(texts: Iterable[str], max_segments: int = 1 << 20) -> Counter[str]:
+    """How often each pre-token occurs in `texts` (pieces without special tokens), pre-tokenizing each distinct
+    segment once (see the module docstring). At most `max_segments` distinct segments are held at a time."""
+    segment_re = _segment_re()
+    segments: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        segments.update(segment_re.findall(text))
+        if len(segments) > max_segments:
+            _add_pretokens(segments, counts)
+            segments.clear()
+    _add_pretokens(segments, counts)
+    return counts
+
+
+def _add_pretokens(segments: Counter[str], counts: Counter[str]) -> None:
+    """Add the pre-tokens of `segments` (segment -> count) to `counts`."""
+    space = whitespace()
+    # Segments that start with whitespace and end without it can be concatenated without changing how each
+    # splits; one call of the pattern then handles all segments that occur equally often.
+    by_frequency: dict[int, list[str]] = defaultdict(list)
+    for segment, n in segments.items():
+        if segment[0] in space and segment[-1] not in space:
+            by_frequency[n].append(segment)
+        else:  # a text's first segment, or its trailing whitespace
+            for pretoken in PRETOKEN_RE.findall(segment):
+                counts[pretoken] += n
+    for n, group in by_frequency.items():
+        found = PRETOKEN_RE.findall("".join(group))
+        if n == 1:
+            counts.update(found)
+        else:
+            for pretoken, k in Counter(found).items():
+                counts[pretoken] += k * n

@@ -75,6 +75,12 @@ def save_tokenizer(
 ) -> Path:
     """Write `vocab.json`, `merges.txt` and `special_tokens.json` into `directory`, atomically as a whole."""
     directory = Path(directory)
+    ids_of: dict[bytes, int] = {}
+    for token_id, token in sorted(vocab.items()):
+        if token in ids_of:
+            # vocab.json maps each token's text to one id, so such a vocabulary cannot be written losslessly.
+            raise ScratchlmError(f"token {token!r} has two ids, {ids_of[token]} and {token_id}")
+        ids_of[token] = token_id
     with atomic_directory(directory) as tmp:
         with atomic_write(tmp / VOCAB_FILE, "w") as f:
             json.dump(

@@ -1,0 +1,437 @@
+"""Byte-level BPE training: learn `vocab_size - 256 - len(special_tokens)` merges from a text file.
+
+The algorithm (SPEC §1, in the spirit of minbpe) has two phases.
+
+1. Pre-token counting. The file is cut into chunks, each read, decoded and counted by a worker process: the
+   text is split on the special tokens (which are never counted or merged), then cut into pre-tokens by GPT-2's
+   regular expression (each distinct whitespace-led segment of text only once, see `pretokenize`), giving a
+   `Counter` of pre-token strings. A cut is placed only where it cannot change the result: at the start of a
+   special token (documents are delimited by `<|endoftext|>`), or, failing that, right after an ASCII letter
+   that is followed by an ASCII non-letter, where the regex always ends a match (it has no look-behind, and the
+   letter run it is in stops there). Either way no special token may straddle the cut. So the counts are the
+   same for any number of workers, and no process ever holds more than one chunk of the file plus its counts:
+   memory grows with the number of distinct pre-tokens, not with the file.
+
+2. Merging. Each distinct pre-token becomes a "word": a list of token ids, at first its bytes. Training only
+   ever looks at words weighted by their count, so a 2 GB corpus becomes a few hundred thousand short lists.
+   We keep
+     - `pair_counts[(a, b)]`: how often token `a` is followed by token `b`, over all words times their counts;
+     - `pair_words[(a, b)]`: the words where the pair occurs, listed once per occurrence, so that the count of
+       a new pair is a sum over its list, done in C. It may still name words that have lost the pair: they
+       are skipped when the pair is merged, which is cheaper than removing them whenever a pair disappears;
+     - a heap of `(-count, key, pair)` giving the most frequent pair, ties going to the lexicographically
+       greater pair of byte strings. `heapq` is a min-heap, so `key` orders pairs in reverse: each byte x
+       becomes 255 - x and each part ends with 256, which sorts after every byte, so a longer token with the
+       same prefix comes first, as it must.
+   A merge of `(a, b)` into the new token `t` visits only the words containing the pair. Each occurrence
+   `x a b y` becomes `x t y`: the counts of `(x, a)` and `(b, y)` go down, `(x, t)` and `(t, y)` appear.
+   Counts of existing pairs only ever go down (every new pair contains the new token), so the heap needs no
+   decrease-key: an entry whose count is stale is an upper bound, and when it reaches the top it is pushed
+   back with its current count. An entry that reaches the top with its true count is then the true maximum.
+
+Ids: 0..255 are the single bytes, then the merges in creation order, then the special tokens. Training stops
+early, with a smaller vocabulary, when no pair of tokens is left to merge.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import multiprocessing
+import os
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import regex
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.tokenizer.pretokenize import pretoken_counts, special_tokens_regex, whitespace
+
+# Bytes each worker reads and pre-tokenizes at a time: bounds a worker's memory apart from its counts.
+DEFAULT_CHUNK_SIZE = 1 << 20
+# How far past a chunk's nominal end to look for a special token before settling for a letter boundary.
+_CUT_SEARCH_WINDOW = 1 << 16
+# An ASCII letter followed by an ASCII non-letter: the regex ends a match between the two.
+_LETTER_CUT_RE = regex.compile(rb"[A-Za-z](?=[\x00-\x40\x5b-\x60\x7b-\x7f])")
+
+Pair = tuple[int, int]
+
+
+def train_bpe(
+    input_path: str | os.PathLike,
+    vocab_size: int,
+    special_tokens: Iterable[str] | None = None,
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Train a byte-level BPE tokenizer on the UTF-8 text file `input_path`.
+
+    `vocab_size` counts the 256 bytes, the merges and the special tokens. `workers` is the number of
+    pre-tokenizing processes (default: every available core); the result does not depend on it. `progress`
+    draws progress bars on the terminal. Returns `(vocab, merges)`: `vocab` maps ids 0..n-1 to token bytes,
+    `merges` lists the merged pairs in creation order (fewer than asked when the corpus runs out of pairs).
+
+    Workers are forked on Linux; elsewhere they are spawned, which re-imports the calling script, so call this
+    from under `if __name__ == "__main__":` there.
+    """
+    path = Path(input_path)
+    special_tokens = list(dict.fromkeys(special_tokens or []))
+    if not all(isinstance(t, str) and t for t in special_tokens):
+        raise ScratchlmError(f"special tokens must be non-empty strings, got {special_tokens!r}")
+    minimum = 256 + len(special_tokens)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < minimum:
+        raise ScratchlmError(
+            f"vocab size {vocab_size!r} is too small: it must be at least 256 bytes + "
+            f"{len(special_tokens)} special token(s) = {minimum}"
+        )
+    if not path.exists():
+        raise ScratchlmError(f"input file not found: {path}")
+    if not path.is_file():
+        raise ScratchlmError(f"input {path} is not a regular file")
+    if workers is not None and workers < 1:
+        raise ScratchlmError(f"workers must be at least 1, got {workers}")
+    if chunk_size < 1:
+        raise ScratchlmError(f"chunk size must be at least 1 byte, got {chunk_size}")
+
+    with _Progress(progress) as bars:
+        counts = count_pretokens(
+            path, special_tokens, workers=workers, chunk_size=chunk_size, on_bytes=bars.task("pre-tokenizing")
+        )
+        num_merges = vocab_size - minimum
+        merges = learn_merges(counts, num_merges, on_merge=bars.task("merging", num_merges))
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    for a, b in merges:
+        vocab[len(vocab)] = a + b
+    for token in special_tokens:
+        vocab[len(vocab)] = token.encode("utf-8")
+    return vocab, merges
+
+
+# --- phase 1: pre-token counts -------------------------------------------------------------------------------
+
+
+def count_pretokens(
+    path: str | os.PathLike,
+    special_tokens: list[str],
+    *,
+    workers: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    on_bytes: Callable[[int, int], None] | None = None,
+) -> Counter[bytes]:
+    """How often each pre-token (as UTF-8 bytes) occurs in the file; special tokens are not counted.
+
+    `on_bytes(done, total)` is called as the file is read.
+    """
+    path = Path(path)
+    total = path.stat().st_size
+    chunks = list(pairwise(chunk_boundaries(path, special_tokens, chunk_size)))
+    workers = min(workers or _available_cores(), len(chunks)) or 1
+    # A few tasks per worker balance the load; each task is a run of chunks counted into one Counter, so the
+    # parent merges a few Counters rather than one per chunk.
+    per_task = math.ceil(len(chunks) / (workers * 4)) or 1
+    tasks = [(str(path), chunks[i : i + per_task], special_tokens) for i in range(0, len(chunks), per_task)]
+    whitespace()  # computed once here rather than in every worker
+
+    counts: Counter[str] = Counter()
+    if workers == 1:
+        done = 0
+
+        def report(n: int) -> None:
+            nonlocal done
+            done += n
+            if on_bytes:
+                on_bytes(done, total)
+
+        for task in tasks:
+            counts.update(_count_task(task, report))
+    else:
+        # fork where there is one (Linux): it starts at once and does not re-import the caller's main module.
+        # The progress display's thread starts only after this, on its first update.
+        context = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
+        bytes_read = context.Value("q", 0)
+        with context.Pool(workers, initializer=_start_worker, initargs=(bytes_read,)) as pool:
+            # In file order, so that of several encoding errors the first is the one raised.
+            results = pool.imap(_count_task_in_worker, tasks)
+            for _ in tasks:
+                while True:
+                    try:
+                        task_counts = results.next(timeout=0.2)
+                        break
+                    except multiprocessing.TimeoutError:
+                        if on_bytes:
+                            on_bytes(bytes_read.value, total)
+                counts.update(task_counts)
+    if on_bytes:
+        on_bytes(total, total)
+    return Counter({token.encode("utf-8"): n for token, n in counts.items()})
+
+
+def _count_task(
+    task: tuple[str, list[tuple[int, int]], list[str]], report: Callable[[int], None]
+) -> Counter[str]:
+    path, chunks, special_tokens = task
+    return pretoken_counts(_read_pieces(path, chunks, special_tokens_regex(special_tokens), report))
+
+
+# In a worker process: the count of bytes read by all workers, shared with the parent for its progress display.
+_bytes_read: Any = None
+
+
+def _start_worker(bytes_read: Any) -> None:
+    global _bytes_read
+    _bytes_read = bytes_read
+
+
+def _count_task_in_worker(task: tuple[str, list[tuple[int, int]], list[str]]) -> Counter[str]:
+    return _count_task(task, _report_to_parent)
+
+
+def _report_to_parent(n: int) -> None:
+    with _bytes_read.get_lock():
+        _bytes_read.value += n
+
+
+def _read_pieces(
+    path: str, chunks: list[tuple[int, int]], special_re: regex.Pattern | None, report: Callable[[int], None]
+) -> Iterator[str]:
+    """The text between special tokens in the chunks `[(start, end), ...]` of the file, one chunk at a time."""
+    with open(path, "rb") as f:
+        for start, end in chunks:
+            f.seek(start)
+            data = f.read(end - start)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ScratchlmError(
+                    f"{path}: not valid UTF-8 at byte offset {start + e.start} ({e.reason})"
+                ) from None
+            yield from special_re.split(text) if special_re else (text,)
+            report(end - start)
+
+
+def chunk_boundaries(
+    path: str | os.PathLike, special_tokens: list[str], chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> list[int]:
+    """Byte offsets `[0, ..., file size]` cutting the file into chunks of about `chunk_size` bytes, each cut
+    where pre-tokenizing the pieces separately gives the same pre-tokens as the whole (see module docstring)."""
+    size = os.path.getsize(path)
+    specials = sorted((t.encode("utf-8") for t in special_tokens), key=len, reverse=True)
+    # Every start of a special token, with the longest special token there (alternatives are tried longest
+    # first): the one that reaches furthest across a cut.
+    special_re = regex.compile(b"(?=(" + b"|".join(map(regex.escape, specials)) + b"))") if specials else None
+    margin = len(specials[0]) if specials else 0
+    bounds = [0]
+    with open(path, "rb") as f:
+        while bounds[-1] + chunk_size < size:
+            cut = _find_cut(f, bounds[-1] + chunk_size, special_re, margin)
+            if cut is None:
+                break
+            bounds.append(cut)
+    bounds.append(size)
+    return bounds
+
+
+def _find_cut(f: BinaryIO, target: int, special_re: regex.Pattern | None, margin: int) -> int | None:
+    """The first safe cut at or after byte `target`, preferring the start of a special token within a search
+    window; None when there is none before the end of the file. `margin` is the longest special token's length."""
+    position = target
+    while True:
+        start = max(0, position - margin)
+        f.seek(start)
+        block = f.read(position - start + _CUT_SEARCH_WINDOW + margin)
+        lo, hi = position - start, min(len(block), position - start + _CUT_SEARCH_WINDOW)
+        if lo >= hi:
+            return None
+        specials = (m.start() for m in special_re.finditer(block, lo)) if special_re else iter(())
+        letters = (m.end() for m in _LETTER_CUT_RE.finditer(block, max(lo - 1, 0)))
+        for candidates in (specials, letters):
+            for cut in candidates:
+                if cut >= hi:
+                    break
+                if cut >= lo and not _straddled(block, cut, special_re, margin):
+                    return start + cut
+        position = start + hi
+
+
+def _straddled(block: bytes, cut: int, special_re: regex.Pattern | None, margin: int) -> bool:
+    """Whether a special token starts before `cut` and ends after it."""
+    if special_re is None:
+        return False
+    for m in special_re.finditer(block, max(cut - margin + 1, 0)):
+        if m.start() >= cut:
+            return False
+        if m.end(1) > cut:
+            return True
+    return False
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# --- phase 2: merges ------------------------------------------------------------------------------------------
+
+
+def learn_merges(
+    pretoken_counts: Mapping[bytes, int],
+    num_merges: int,
+    on_merge: Callable[[int, int], None] | None = None,
+) -> list[tuple[bytes, bytes]]:
+    """Up to `num_merges` BPE merges learned from pre-tokens (byte strings) and their counts.
+
+    Each step merges the most frequent adjacent pair of tokens, counted inside pre-tokens and weighted by their
+    counts, ties going to the lexicographically greater pair of byte strings. Stops early when no pair is left.
+    `on_merge(done, total)` is called now and then.
+    """
+    tokens: list[bytes] = [bytes([i]) for i in range(256)]
+    # Reverse-order sort key of each token (see module docstring): key(a) < key(b) iff a > b as byte strings.
+    keys: list[tuple[int, ...]] = [(255 - i, 256) for i in range(256)]
+
+    words: list[list[int]] = []
+    counts: list[int] = []
+    for word, count in pretoken_counts.items():
+        if len(word) > 1 and count > 0:
+            words.append(list(word))
+            counts.append(count)
+
+    pair_words: dict[Pair, list[int]] = defaultdict(list)  # a word once per occurrence of the pair
+    for index, word in enumerate(words):
+        for pair in pairwise(word):
+            pair_words[pair].append(index)
+    pair_counts = {pair: sum(map(counts.__getitem__, indices)) for pair, indices in pair_words.items()}
+    heap = [(-count, keys[a] + keys[b], (a, b)) for (a, b), count in pair_counts.items()]
+    heapq.heapify(heap)
+
+    merges: list[tuple[bytes, bytes]] = []
+    report_every = max(1, num_merges // 200)
+    while len(merges) < num_merges and heap:
+        negative_count, key, pair = heapq.heappop(heap)
+        count = pair_counts.get(pair, 0)
+        if count != -negative_count:  # stale: the pair lost occurrences since this entry was pushed
+            if count > 0:
+                heapq.heappush(heap, (-count, key, pair))
+            continue
+
+        a, b = pair
+        new = len(tokens)
+        tokens.append(tokens[a] + tokens[b])
+        keys.append(keys[a][:-1] + keys[b])
+        merges.append((tokens[a], tokens[b]))
+        for new_pair, occurrences in _apply_merge(words, pair, new, pair_words.pop(pair)).items():
+            lost_pair = (new_pair[0] if new_pair[0] != new else b, new_pair[1] if new_pair[1] != new else a)
+            count = sum(map(counts.__getitem__, occurrences))
+            pair_counts[lost_pair] -= count
+            if not pair_counts[lost_pair]:  # gone for good: only pairs with the new token ever appear
+                del pair_counts[lost_pair]
+                pair_words.pop(lost_pair, None)
+            pair_counts[new_pair] = count
+            pair_words[new_pair] = occurrences
+            heapq.heappush(heap, (-count, keys[new_pair[0]] + keys[new_pair[1]], new_pair))
+        pair_counts.pop(pair, None)
+        if on_merge and len(merges) % report_every == 0:
+            on_merge(len(merges), num_merges)
+    if on_merge:
+        on_merge(len(merges), num_merges)
+    return merges
+
+
+def _apply_merge(
+    words: list[list[int]], pair: Pair, new: int, candidates: Iterable[int]
+) -> dict[Pair, list[int]]:
+    """Replace `pair` by token `new`, in place, in those of the `candidates` words that contain it.
+
+    Returns the pairs that appear, each with its words listed once per occurrence. Every new pair `(x, new)`
+    replaces an old `(x, a)`, every `(new, y)` an old `(b, y)`, and `(new, new)` (from `a b a b`) an old
+    `(b, a)`: so this is also what disappears. The pair counts themselves are left to the caller.
+    """
+    a, b = pair
+    left: dict[int, list[int]] = defaultdict(list)  # x -> words where `x a b` became `x new`
+    right: dict[int, list[int]] = defaultdict(list)  # y -> words where `a b y` became `new y`
+    both: list[int] = []  # words where `a b a b` became `new new`
+    for index in set(candidates):
+        word = words[index]
+        n = len(word)
+        # Find occurrences with list.index (C speed); `remaining` counts the a's not yet looked at.
+        remaining = word.count(a)
+        starts: list[int] = []
+        i = 0
+        while remaining:
+            i = word.index(a, i)
+            remaining -= 1
+            if i + 1 == n or word[i + 1] != b:
+                i += 1
+                continue
+            if a == b:
+                remaining -= 1
+            if starts and starts[-1] == i - 2:
+                both.append(index)
+            elif i:
+                left[word[i - 1]].append(index)
+            # When another occurrence follows at once, that one records (new, new).
+            if i + 2 < n and not (word[i + 2] == a and i + 3 < n and word[i + 3] == b):
+                right[word[i + 2]].append(index)
+            starts.append(i)
+            i += 2
+        if len(starts) == 1:
+            i = starts[0]
+            word[i : i + 2] = (new,)
+        elif starts:  # rebuilt in one pass: replacing in place one by one would be quadratic in a long word
+            merged: list[int] = []
+            copied = 0
+            for i in starts:
+                merged += word[copied:i]
+                merged.append(new)
+                copied = i + 2
+            merged += word[copied:]
+            word[:] = merged
+    appeared = {(x, new): indices for x, indices in left.items()}
+    appeared.update(((new, y), indices) for y, indices in right.items())
+    if both:
+        appeared[new, new] = both
+    return appeared
+
+
+# --- progress display -----------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Progress bars when asked for, else callbacks that do nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bars = None
+        if enabled:
+            from scratchlm.console import progress
+
+            self.bars = progress()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+    def task(self, description: str, total: int | None = None) -> Callable[[int, int], None] | None:
+        if self.bars is None:
+            return None
+        bars = self.bars
+        task_id = bars.add_task(description, total=total, start=False)
+
+        def update(done: int, total: int) -> None:
+            # Started on the first update, so that no display thread runs while worker processes are forked.
+            if not bars.live.is_started:
+                bars.start()
+            bars.start_task(task_id)
+            bars.update(task_id, completed=done, total=total)
+
+        return update
