@@ -35,15 +35,25 @@ def progress(transient: bool = False, counter: bool = False) -> Progress:
     )
 
 
-def peak_memory_mb() -> float:
-    """Peak resident memory of this process plus that of its largest finished child, in MiB.
+def process_peak_memory_mb() -> float:
+    """Peak resident memory of this process alone, in MiB.
 
-    Linux reports `ru_maxrss` in KiB, macOS in bytes.
+    Linux's `VmHWM` belongs to the process's current memory map; `ru_maxrss` survives `exec`, so a command
+    started by a large process would report that process's size.
     """
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / 1024 if sys.platform != "darwin" else peak / 1024 / 1024
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process plus that of its largest finished child process, in MiB."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     scale = 1 / 1024 if sys.platform != "darwin" else 1 / 1024 / 1024
-    return (own + children) * scale
+    return process_peak_memory_mb() + children * scale
 
 
 def format_seconds(seconds: float) -> str:

@@ -29,6 +29,14 @@ def _check_parent_writable(path: Path) -> None:
         raise ScratchlmError(f"cannot write to {parent}: permission denied")
 
 
+def _default_mode(kind: int) -> int:
+    """Permissions a plain `open()` / `mkdir()` would give (0o666 / 0o777 less the umask): `mkstemp` and
+    `mkdtemp` create private 0o600 / 0o700 entries, which would make saved outputs unreadable to others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return kind & ~umask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path`; on success it is renamed to `path`, on error removed."""
@@ -40,6 +48,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _default_mode(0o666))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -57,6 +66,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, _default_mode(0o777))
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, old / path.name)

@@ -21,8 +21,6 @@ import codecs
 import contextlib
 import multiprocessing
 import os
-import resource
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scratchlm.console import progress
+from scratchlm.console import process_peak_memory_mb, progress
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -118,7 +116,7 @@ def encode_file(
         if out.tell() != HEADER_BYTES:  # numpy leaves room for 21-digit lengths; never write a corrupt file
             raise AssertionError(f".npy header is {out.tell()} bytes, expected {HEADER_BYTES}")
     seconds = time.perf_counter() - start
-    own_peak = _peak_rss_mb()
+    own_peak = process_peak_memory_mb()
     return EncodeSummary(
         path=output_path,
         num_tokens=num_tokens,
@@ -188,18 +186,4 @@ def _init_worker(tokenizer: Tokenizer, dtype: np.dtype) -> None:
 
 def _encode_chunk(text: str) -> tuple[np.ndarray, tuple[int, float]]:
     ids = np.array(_worker_tokenizer.encode(text), dtype=_worker_dtype)
-    return ids, (os.getpid(), _peak_rss_mb())
-
-
-def _peak_rss_mb() -> float:
-    """This process's own peak resident memory in MiB.
-
-    Linux's `VmHWM` belongs to the process's current memory map; `ru_maxrss` would also count the memory of the
-    parent it was forked from before `exec` (a command started by a large process would report that size).
-    """
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return peak / 1024 if sys.platform != "darwin" else peak / 1024 / 1024
+    return ids, (os.getpid(), process_peak_memory_mb())
