@@ -1,0 +1,325 @@
+"""The training configuration: a TOML file, command-line overrides, validated key by key.
+
+    [data]        train, valid (memory-mapped .npy token files), tokenizer (directory, optional)
+    [model]       the ModelConfig fields (shape and ablation switches)
+    [optimizer]   name (adamw | sgd), lr, min_lr, betas, eps, weight_decay, grad_clip
+    [schedule]    warmup_iters, cosine_cycle_iters (0: the run's last step)
+    [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, compile, seed
+    [eval]        interval, iters, batch_size
+    [checkpoint]  interval, keep
+    [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
+
+Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`,
+the value read as a TOML literal, or as a plain string when it is not one: `training.device=cuda`) is checked
+against it: unknown keys are rejected with the list of known ones, a value of the wrong type names the key and
+the expected type. The resolved configuration (defaults filled in) is written back as TOML into the run
+directory, which is how every run records exactly what it trained with. `tomllib` only reads TOML, so the
+small writer for this flat two-level structure is here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # training tokens (.npy); required
+    valid: str = ""  # validation tokens (.npy); required
+    tokenizer: str | None = None  # tokenizer directory, recorded for generation
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3  # peak learning rate α_max
+    min_lr: float = 1e-4  # final learning rate α_min of the cosine
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # maximum global gradient L2 norm; 0 disables clipping
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_iters: int = 100
+    cosine_cycle_iters: int = 0  # 0: the cosine ends at the run's last step
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    batch_size: int = 32  # sequences per optimizer step, over all processes and micro-batches
+    grad_accum: int = 1  # micro-batches per step (each process)
+    max_steps: int = 0  # steps to train; 0: derived from max_tokens
+    max_tokens: int = 0  # or a token budget: steps = ceil(max_tokens / (batch_size * context_length))
+    max_time_s: float = 0.0  # wall-clock budget in seconds; 0: none
+    device: str = "auto"  # auto: cuda, then mps, then cpu
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the matmuls, float32 weights
+    compile: bool = False  # torch.compile the model
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    interval: int = 500  # steps between validation estimates; 0: only at the end
+    iters: int = 20  # validation batches per estimate (the same batches every time)
+    batch_size: int = 0  # sequences per estimate; 0: training.batch_size
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 1000  # steps between checkpoints; 0: only at the end
+    keep: int = 3  # most recent checkpoints kept
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    log_interval: int = 10  # steps between train-loss records
+    wandb: bool = False
+    wandb_project: str = "scratchlm"
+    tensorboard: bool = False
+    peak_tflops: float = 0.0  # accelerator peak for the MFU estimate; 0: look it up for known GPUs
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "training": TrainingConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+        """Defaults, then the TOML file at `path` (if any), then the `section.key=value` overrides."""
+        values: dict[str, dict[str, Any]] = {}
+        source = "config"
+        if path is not None:
+            path = Path(path)
+            source = str(path)
+            try:
+                values = tomllib.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise ScratchlmError(f"config file {path} not found") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ScratchlmError(f"config file {path} is not valid TOML: {e}") from None
+        for override in overrides:
+            section, key, value = parse_override(override)
+            values.setdefault(section, {})[key] = value
+        return cls.from_dict(values, source)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
+        unknown = sorted(set(values) - set(SECTIONS))
+        if unknown:
+            raise ScratchlmError(
+                f"{source}: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}"
+            )
+        sections = {}
+        for name, section_type in SECTIONS.items():
+            section_values = values.get(name, {})
+            if not isinstance(section_values, dict):
+                raise ScratchlmError(f"{source}: [{name}] must be a table of settings")
+            sections[name] = _build_section(name, section_type, section_values, source)
+        config = cls(**sections)
+        config._check(source)
+        return config
+
+    def _check(self, source: str) -> None:
+        """Checks across keys (types are checked when reading)."""
+        t = self.training
+        for key in ("train", "valid"):
+            if not getattr(self.data, key):
+                raise ScratchlmError(f"{source}: data.{key} is required (a .npy file of token ids)")
+        positive = {
+            "training.batch_size": t.batch_size,
+            "training.grad_accum": t.grad_accum,
+            "logging.log_interval": self.logging.log_interval,
+            "checkpoint.keep": self.checkpoint.keep,
+            "optimizer.lr": self.optimizer.lr,
+        }
+        non_negative = {
+            "training.max_steps": t.max_steps,
+            "training.max_tokens": t.max_tokens,
+            "training.max_time_s": t.max_time_s,
+            "schedule.warmup_iters": self.schedule.warmup_iters,
+            "schedule.cosine_cycle_iters": self.schedule.cosine_cycle_iters,
+            "eval.interval": self.eval.interval,
+            "eval.iters": self.eval.iters,
+            "eval.batch_size": self.eval.batch_size,
+            "checkpoint.interval": self.checkpoint.interval,
+            "optimizer.min_lr": self.optimizer.min_lr,
+            "optimizer.eps": self.optimizer.eps,
+            "optimizer.weight_decay": self.optimizer.weight_decay,
+            "optimizer.grad_clip": self.optimizer.grad_clip,
+            "logging.peak_tflops": self.logging.peak_tflops,
+        }
+        for key, value in positive.items():
+            if not value > 0:
+                raise ScratchlmError(f"{source}: {key} must be positive, got {value!r}")
+        for key, value in non_negative.items():
+            if not value >= 0:
+                raise ScratchlmError(f"{source}: {key} must be >= 0, got {value!r}")
+        if not all(0 <= beta < 1 for beta in self.optimizer.betas):
+            raise ScratchlmError(
+                f"{source}: optimizer.betas must lie in [0, 1), got {list(self.optimizer.betas)}"
+            )
+        if bool(t.max_steps) == bool(t.max_tokens):
+            raise ScratchlmError(f"{source}: set exactly one of training.max_steps and training.max_tokens")
+        if t.batch_size % t.grad_accum:
+            raise ScratchlmError(
+                f"{source}: training.batch_size ({t.batch_size}) must be divisible by training.grad_accum "
+                f"({t.grad_accum})"
+            )
+
+    @property
+    def total_steps(self) -> int:
+        if self.training.max_steps:
+            return self.training.max_steps
+        return math.ceil(self.training.max_tokens / (self.training.batch_size * self.model.context_length))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: _section_dict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        return to_toml(self.to_dict())
+
+    def replace(self, **sections: dict[str, Any]) -> TrainConfig:
+        """A copy with some keys changed: `config.replace(training={"max_steps": 10})`."""
+        values = self.to_dict()
+        for name, changes in sections.items():
+            values.setdefault(name, {}).update(changes)
+        return TrainConfig.from_dict(values)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`"optimizer.lr=3e-4"` -> ("optimizer", "lr", 0.0003); a value that is not a TOML literal is a string."""
+    key, sep, raw = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise ScratchlmError(f"override {text!r} must look like section.key=value (e.g. optimizer.lr=3e-4)")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, name, value
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join("nothing" if a is type(None) else _type_name(a) for a in args)
+    if origin is tuple:
+        return f"a list of {len(args)} " + _type_name(args[0]).removeprefix("a ").removeprefix("an ") + "s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[annotation]
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """`value` as `annotation` (an int is a valid float, a list a valid tuple), or raise TypeError."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        if value in args and type(value) is type(args[0]):
+            return value
+    elif origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        for option in args:
+            if option is not type(None):
+                try:
+                    return _coerce(value, option)
+                except TypeError:
+                    pass
+    elif origin is tuple:
+        if isinstance(value, list | tuple) and len(value) == len(args):
+            return tuple(_coerce(v, a) for v, a in zip(value, args, strict=True))
+    elif annotation is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, annotation):
+        return value
+    raise TypeError
+
+
+def _build_section(name: str, section_type: type, values: dict[str, Any], source: str) -> Any:
+    hints = typing.get_type_hints(section_type)
+    known = [f.name for f in dataclasses.fields(section_type)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ScratchlmError(
+            f"{source}: unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
+            f"[{name}] accepts: {', '.join(known)}"
+        )
+    checked = {}
+    for key, value in values.items():
+        try:
+            checked[key] = _coerce(value, hints[key])
+        except TypeError:
+            raise ScratchlmError(
+                f"{source}: {name}.{key} must be {_type_name(hints[key])}, got {value!r}"
+            ) from None
+    return section_type(**checked)  # ModelConfig checks its own ranges and names the key
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(values: dict[str, dict[str, Any]]) -> str:
+    """Write `{section: {key: value}}` as TOML; keys whose value is None are left out (TOML has no null)."""
+    lines = []
+    for section, entries in values.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in entries.items() if value is not None)
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Data-parallel training across processes with `torch.distributed` (launched by torchrun).
+
+torchrun starts one process per device and tells each, through environment variables, its `RANK` (0..W-1
+over all machines), `LOCAL_RANK` (its device on this machine) and `WORLD_SIZE` (W). Every process holds a full
+copy of the model, trains on its own slice of the global batch, and `DistributedDataParallel` averages the
+gradients across processes during the backward pass (NCCL between GPUs, Gloo between CPU processes), so every
+copy takes the same optimizer step. Rank 0 alone writes logs and checkpoints. Started without torchrun, a
+process is rank 0 of a world of one and none of this machinery is used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from scratchlm.errors import ScratchlmError
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(requested: str) -> torch.device:
+    """ "auto" -> cuda, then mps, then cpu; anything else must name a device torch has."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ScratchlmError(
+            f"training.device {requested!r} is not a device name (auto, cpu, cuda, cuda:1, mps)"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ScratchlmError(f"training.device is {requested!r} but CUDA is not available here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ScratchlmError(f"training.device is {requested!r} but MPS is not available here")
+    return device
+
+
+def init_distributed(device: torch.device) -> tuple[Distributed, torch.device]:
+    """Join the process group torchrun set up (if any); returns the ranks and this process's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Distributed(), device
+    info = Distributed(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    elif device.type == "cpu":
+        dist.init_process_group("gloo")
+    else:
+        raise ScratchlmError(f"multi-process training needs cuda or cpu devices, not {device.type}")
+    return info, device
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(value: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    """Combine a tensor over processes (a no-op for a world of one): op is "mean", "sum" or "max"."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    if op == "mean":
+        value /= dist.get_world_size()
+    return value
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Wrap `model` for data-parallel training (call only in a multi-process run)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -1,0 +1,155 @@
+"""Where a run's numbers go: the console, `RUN/metrics.jsonl`, and optionally Weights & Biases / TensorBoard.
+
+Every record is a flat dict with "step", "time" (seconds of training wall-clock, continuing across resumes)
+and "tokens", plus either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu) or the eval fields
+(val_loss, val_ppl). `metrics.jsonl` holds one JSON object per line and is appended to and flushed at every
+record, so a crashed run keeps its curve; on resume, records past the checkpoint's step are dropped, because
+those steps are about to be trained again.
+
+The MFU (model FLOPs utilisation) estimate divides the model's training FLOPs per second by the accelerator's
+peak: per token, 6·N for the forward and backward matmuls of the N non-embedding parameters plus 12·L·d·T for
+attention scores and weighted values (L layers, width d, context T), as in the PaLM paper's appendix B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scratchlm.console import console, progress
+from scratchlm.errors import ScratchlmError
+from scratchlm.io import atomic_write
+
+# Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets.
+PEAK_FLOPS: dict[tuple[str, str], float] = {
+    ("H200", "bf16"): 989e12,
+    ("H100 PCIe", "bf16"): 756e12,
+    ("H100", "bf16"): 989e12,
+    ("A100", "bf16"): 312e12,
+    ("L40S", "bf16"): 362e12,
+    ("A10G", "bf16"): 70e12,
+    ("4090", "bf16"): 165e12,
+    ("3090", "bf16"): 71e12,
+    ("H200", "fp32"): 67e12,
+    ("H100 PCIe", "fp32"): 51e12,
+    ("H100", "fp32"): 67e12,
+    ("A100", "fp32"): 19.5e12,
+    ("L40S", "fp32"): 91.6e12,
+    ("A10G", "fp32"): 31.2e12,
+    ("4090", "fp32"): 82.6e12,
+    ("3090", "fp32"): 35.6e12,
+}
+
+
+def flops_per_token(non_embedding_params: int, num_layers: int, d_model: int, context_length: int) -> int:
+    """Training FLOPs per token: forward + backward matmuls (6N) plus attention (12·L·d·T)."""
+    return 6 * non_embedding_params + 12 * num_layers * d_model * context_length
+
+
+def peak_flops(device: torch.device, precision: str, peak_tflops: float = 0.0) -> float | None:
+    """The configured peak, else the data-sheet peak of a known GPU, else None (no MFU is reported)."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for (fragment, table_precision), value in PEAK_FLOPS.items():  # first match: specific names come first
+        if fragment in name and table_precision == precision:
+            return value
+    return None
+
+
+class MetricsLogger:
+    """Writes records to every configured sink. Only the main process of a run creates one."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        total_steps: int,
+        start_step: int = 0,
+        wandb: bool = False,
+        wandb_project: str = "scratchlm",
+        tensorboard: bool = False,
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.total_steps = total_steps
+        _drop_records_after(self.path, start_step)
+        self.file = self.path.open("a", encoding="utf-8")
+        self.wandb_run = None
+        self.tensorboard = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                raise ScratchlmError(
+                    "logging.wandb = true needs the wandb package: pip install 'scratchlm[wandb]'"
+                ) from None
+            self.wandb_run = wandb_module.init(
+                project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config, resume="allow"
+            )
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ScratchlmError(
+                    "logging.tensorboard = true needs the tensorboard package: pip install 'scratchlm[tensorboard]'"
+                ) from None
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.bar = progress(counter=True)
+        self.bar.start()
+        self.task = self.bar.add_task("training", total=total_steps, completed=start_step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.tensorboard.add_scalar(key, value, step)
+        self.bar.update(self.task, completed=step)
+        console.print(_format(record, self.total_steps), highlight=False)
+
+    def close(self) -> None:
+        self.bar.stop()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _format(record: dict[str, Any], total_steps: int) -> str:
+    head = f"step {record['step']:>{len(str(total_steps))}}/{total_steps}"
+    if "val_loss" in record:
+        return f"{head} │ [bold]val loss {record['val_loss']:.4f}[/] │ val ppl {record['val_ppl']:.2f}"
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    return (
+        f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {record['grad_norm']:.3f}"
+        f" │ {record['tokens_per_s']:,.0f} tok/s │ mfu {mfu}"
+    )
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep only the records of steps <= `step` (the part of the curve the resumed checkpoint has seen)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        with atomic_write(path, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line from a crash: drop it

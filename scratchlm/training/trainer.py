@@ -1,0 +1,432 @@
+"""The training loop: sample batches, take AdamW steps on a cosine schedule, evaluate, log, checkpoint.
+
+One optimizer step at step number t (1-based):
+
+    lr ← cosine_lr_schedule(t, lr, min_lr, warmup_iters, cosine_cycle_iters)
+    draw `batch_size` windows of the training tokens (the global batch; this process takes its slice)
+    for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) / grad_accum;  backward
+    clip the gradients to norm `grad_clip`;  AdamW step;  zero the gradients
+
+`training.batch_size` is the global batch: sequences per optimizer step over all processes and micro-batches,
+so `tokens = steps × batch_size × context_length` whatever the hardware. Every process draws the same window
+positions from the same generator and keeps its own slice, so the data a step sees does not depend on how many
+processes share it: two processes give the same run as one with the same global batch.
+
+The loop reads values back from the accelerator (`.item()`, which waits for it) only every `log_interval`
+steps, so the CPU keeps queueing work ahead of the GPU; losses and gradient norms are summed on the device in
+between. That is also where the checks that need those numbers happen: a non-finite loss or gradient norm
+stops the run before any checkpoint could save the damage.
+
+A checkpoint holds the model, the optimizer, the step, the sampling generator's state, torch's RNG state and
+the elapsed time. The schedule is a function of the step, so a resumed run continues exactly: on CPU, N steps,
+resume, N steps gives bit-for-bit the parameters of 2N steps in one go. Ctrl-C finishes the current step, saves
+a checkpoint and exits; so does the wall-clock budget `max_time_s` (counted across resumes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scratchlm.console import console, format_seconds
+from scratchlm.errors import ScratchlmError
+from scratchlm.io import atomic_write
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.training.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    read_checkpoint,
+    save_checkpoint,
+)
+from scratchlm.training.config import OptimizerConfig, TrainConfig
+from scratchlm.training.data import gather_batch, load_tokens, sample_starts
+from scratchlm.training.distributed import (
+    Distributed,
+    all_reduce,
+    init_distributed,
+    resolve_device,
+    shutdown_distributed,
+    wrap_ddp,
+)
+from scratchlm.training.grad import clip_grad_norm
+from scratchlm.training.loss import cross_entropy
+from scratchlm.training.metrics import MetricsLogger, flops_per_token, peak_flops
+from scratchlm.training.optim import SGD, AdamW
+from scratchlm.training.schedule import cosine_lr_schedule
+
+EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
+
+
+def build_optimizer(config: OptimizerConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if config.name == "sgd":
+        return SGD(params, lr=config.lr)
+    return AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+
+
+class StopRequest:
+    """Ctrl-C asks the loop to stop after the current step (it then saves a checkpoint); a second Ctrl-C in a
+    single-process run aborts at once. Under torchrun every process gets the signal, and the processes agree to
+    stop at the next log step."""
+
+    def __init__(self, distributed: bool) -> None:
+        self.requested = False
+        self.distributed = distributed
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and not self.distributed:
+            raise KeyboardInterrupt
+        self.requested = True
+        console.print("[yellow]stopping after this step to save a checkpoint (Ctrl-C again to abort)[/]")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
+    """Train a model as `config` says (continuing the run in `config.logging.run_dir` if `resume`); returns
+    the summary that is also written to `RUN/summary.json`."""
+    device = resolve_device(config.training.device)
+    dist_info, device = init_distributed(device)
+    try:
+        return _Run(config, dist_info, device, resume).run()
+    finally:
+        shutdown_distributed()
+
+
+class _Run:
+    def __init__(
+        self, config: TrainConfig, dist_info: Distributed, device: torch.device, resume: bool
+    ) -> None:
+        self.config, self.dist, self.device = config, dist_info, device
+        t, m = config.training, config.model
+        self.run_dir = Path(config.logging.run_dir)
+        self.context = m.context_length
+        self.total_steps = config.total_steps
+        self.cosine_end = config.schedule.cosine_cycle_iters or self.total_steps
+        sequences_per_process = t.batch_size // dist_info.world_size
+        if t.batch_size % (dist_info.world_size * t.grad_accum):
+            raise ScratchlmError(
+                f"training.batch_size ({t.batch_size}) must be divisible by processes × grad_accum "
+                f"({dist_info.world_size} × {t.grad_accum})"
+            )
+        self.micro_batch = sequences_per_process // t.grad_accum
+        self.eval_batch = config.eval.batch_size or t.batch_size
+        self.tokens_per_step = t.batch_size * self.context
+
+        self.train_tokens = load_tokens(config.data.train, m.vocab_size, self.context)
+        self.valid_tokens = load_tokens(config.data.valid, m.vocab_size, self.context)
+
+        torch.manual_seed(t.seed)
+        self.model = TransformerLM.from_config(m, device=device)
+        self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
+        self.generator = np.random.default_rng(t.seed)
+        self.step, self.elapsed_before = 0, 0.0
+        self._restore(resume)
+        self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
+        self.in_update = False
+
+        # The compiled module (if any) serves evaluation; DistributedDataParallel wraps it for training.
+        self.forward_model = torch.compile(self.model) if t.compile else self.model
+        self.train_model = wrap_ddp(self.forward_model, device) if dist_info.enabled else self.forward_model
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+        self.flops_per_token = flops_per_token(
+            self.model.num_parameters(non_embedding=True), m.num_layers, m.d_model, self.context
+        )
+        self.peak = peak_flops(device, t.precision, config.logging.peak_tflops)
+
+    def _restore(self, resume: bool) -> None:
+        existing = latest_checkpoint(self.run_dir)
+        if existing is not None and not resume:
+            raise ScratchlmError(
+                f"run directory {self.run_dir} already has checkpoints; continue it with --resume, "
+                "or choose another logging.run_dir"
+            )
+        if existing is None:
+            if resume and self.dist.is_main:
+                console.print(f"no checkpoint in {self.run_dir}: starting a new run")
+            return
+        state = read_checkpoint(existing)
+        self.step = load_checkpoint(state, self.model, self.optimizer)
+        self.generator.bit_generator.state = state["data_rng"]
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.elapsed_before = state["elapsed_s"]
+        if self.dist.is_main:
+            console.print(f"resuming from {existing} (step {self.step})")
+
+    # -- the pieces of a step -------------------------------------------------------------------------------
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns the (device-resident) mean loss and the gradient norm before clipping."""
+        t = self.config.training
+        lr = cosine_lr_schedule(
+            self.step + 1, self.config.optimizer.lr, self.config.optimizer.min_lr,
+            self.config.schedule.warmup_iters, self.cosine_end,
+        )  # fmt: skip
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        starts = sample_starts(len(self.train_tokens), t.batch_size, self.context, self.generator)
+        per_process = t.batch_size // self.dist.world_size
+        mine = starts[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(t.grad_accum):
+            inputs, targets = gather_batch(
+                self.train_tokens,
+                mine[k * self.micro_batch : (k + 1) * self.micro_batch],
+                self.context,
+                self.device,
+            )
+            # Gradients are averaged across processes once per step, on the last micro-batch's backward.
+            last = k == t.grad_accum - 1
+            no_sync = (
+                self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
+            )
+            with no_sync:
+                with self.autocast:
+                    loss = cross_entropy(self.train_model(inputs), targets) / t.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.grad_clip or math.inf)
+        # The update commits the step. An abort (KeyboardInterrupt) before it leaves model and optimizer at the
+        # previous step, with the sampling state of `self.committed_rng`; one inside it leaves no usable state.
+        self.in_update = True
+        self.optimizer.step()
+        self.step += 1
+        self.committed_rng = self.generator.bit_generator.state
+        self.in_update = False
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    @torch.no_grad()
+    def _validation_loss(self) -> float:
+        """Mean loss over `eval.iters` fixed batches of validation windows. Each process takes its share of
+        every batch and runs it in chunks of the training micro-batch (which fits in memory)."""
+        self.model.eval()
+        generator = np.random.default_rng(self.config.training.seed + EVAL_SEED_OFFSET)
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.config.eval.iters):
+            starts = sample_starts(len(self.valid_tokens), self.eval_batch, self.context, generator)
+            mine = np.array_split(starts, self.dist.world_size)[self.dist.rank]
+            for chunk in np.array_split(mine, max(1, math.ceil(len(mine) / self.micro_batch))):
+                if len(chunk):
+                    inputs, targets = gather_batch(self.valid_tokens, chunk, self.context, self.device)
+                    with self.autocast:
+                        total += cross_entropy(self.forward_model(inputs), targets) * len(chunk)
+        self.model.train()
+        return all_reduce(total, "sum").item() / (self.config.eval.iters * self.eval_batch)
+
+    def _save(self, elapsed: float) -> Path | None:
+        if not self.dist.is_main:
+            return None
+        path = checkpoint_path(self.run_dir, self.step)
+        extra: dict[str, Any] = {
+            "train_config": self.config.to_dict(),
+            "data_rng": self.committed_rng,
+            "torch_rng": torch.get_rng_state(),
+            "elapsed_s": elapsed,
+            "tokens": self.step * self.tokens_per_step,
+        }
+        if self.device.type == "cuda":
+            extra["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        save_checkpoint(self.model, self.optimizer, self.step, path, **extra)
+        prune_checkpoints(self.run_dir, self.config.checkpoint.keep)
+        return path
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        config, is_main = self.config, self.dist.is_main
+        if is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with atomic_write(self.run_dir / "config.toml", "w") as f:
+                f.write(config.to_toml())
+            console.print(
+                f"training {self.model.num_parameters():,} parameters on {self.device}"
+                f"{f' × {self.dist.world_size} processes' if self.dist.enabled else ''}: {self.total_steps:,} steps"
+                f" of {config.training.batch_size} × {self.context} tokens → {self.run_dir}"
+            )
+        logger = None
+        if is_main:
+            logger = MetricsLogger(
+                self.run_dir,
+                config.to_dict(),
+                self.total_steps,
+                start_step=self.step,
+                wandb=config.logging.wandb,
+                wandb_project=config.logging.wandb_project,
+                tensorboard=config.logging.tensorboard,
+            )
+        start_step, session_start = self.step, time.perf_counter()
+        stop = StopRequest(self.dist.enabled)
+        stopped, final_train_loss, final_val_loss = "finished", None, None
+        last_saved = self.step if latest_checkpoint(self.run_dir) is not None else None
+        last_eval = None
+
+        def elapsed() -> float:
+            return self.elapsed_before + time.perf_counter() - session_start
+
+        def log(record: dict[str, Any]) -> None:
+            if logger is not None:
+                logger.log(
+                    {
+                        "step": self.step,
+                        "time": round(elapsed(), 3),
+                        "tokens": self.step * self.tokens_per_step,
+                        **record,
+                    }
+                )
+
+        def evaluate() -> float:
+            nonlocal last_eval
+            loss = self._validation_loss()
+            last_eval = self.step
+            log({"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))})
+            return loss
+
+        interval_loss = torch.zeros((), device=self.device)
+        interval_norm = torch.zeros((), device=self.device)
+        interval_steps, interval_start, paused = 0, time.perf_counter(), 0.0
+
+        def check_finite() -> tuple[float, float]:
+            """The mean loss and gradient norm since the last check; stops the run if either is not finite."""
+            loss = all_reduce(interval_loss / max(interval_steps, 1)).item()
+            norm = interval_norm.item() / max(interval_steps, 1)
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                kept = latest_checkpoint(self.run_dir)
+                raise ScratchlmError(
+                    f"training diverged: the {'loss' if not math.isfinite(loss) else 'gradient norm'} became "
+                    f"non-finite by step {self.step}; "
+                    + (f"the last good checkpoint is {kept}" if kept else "no checkpoint was written")
+                    + " (try a lower optimizer.lr or a longer schedule.warmup_iters)"
+                )
+            return loss, norm
+
+        try:
+            try:
+                with stop.installed():
+                    while self.step < self.total_steps:
+                        loss, grad_norm = self._train_step()
+                        interval_loss += loss
+                        interval_norm += grad_norm
+                        interval_steps += 1
+
+                        at_log = self.step % config.logging.log_interval == 0 or self.step == self.total_steps
+                        at_eval = config.eval.interval and self.step % config.eval.interval == 0
+                        at_save = config.checkpoint.interval and self.step % config.checkpoint.interval == 0
+                        if at_log or at_save:
+                            final_train_loss, norm = check_finite()
+                        if at_log:
+                            now = time.perf_counter()
+                            tokens_per_s = (
+                                interval_steps
+                                * self.tokens_per_step
+                                / max(now - interval_start - paused, 1e-9)
+                            )
+                            mfu = (
+                                tokens_per_s * self.flops_per_token / (self.peak * self.dist.world_size)
+                                if self.peak
+                                else None
+                            )
+                            lr = self.optimizer.param_groups[0]["lr"]
+                            log(
+                                {
+                                    "train_loss": final_train_loss,
+                                    "lr": lr,
+                                    "grad_norm": norm,
+                                    "tokens_per_s": tokens_per_s,
+                                    "mfu": mfu,
+                                }
+                            )
+                            interval_loss.zero_()
+                            interval_norm.zero_()
+                            interval_steps, interval_start, paused = 0, now, 0.0
+                        pause_start = time.perf_counter()
+                        if at_eval and config.eval.iters:
+                            final_val_loss = evaluate()
+                        if at_save:
+                            self._save(elapsed())
+                            last_saved = self.step
+                        paused += time.perf_counter() - pause_start
+
+                        # Reasons to stop early. Several processes must agree, which they do at log steps.
+                        if not self.dist.enabled or at_log:
+                            budget = config.training.max_time_s
+                            local = stop.requested or bool(budget and elapsed() > budget)
+                            if self.dist.enabled:
+                                local = bool(
+                                    all_reduce(torch.tensor(float(local), device=self.device), "max").item()
+                                )
+                            if local:
+                                stopped = "interrupted" if stop.requested else "time budget"
+                                break
+            except KeyboardInterrupt:
+                # (Several processes cannot agree on a checkpoint here; they stop together on Ctrl-C instead.)
+                if not self.in_update and self.step != last_saved and not self.dist.enabled:
+                    if interval_steps:
+                        check_finite()
+                    if (path := self._save(elapsed())) is not None:
+                        console.print(f"saved {path}; continue with --resume")
+                raise
+
+            if interval_steps:
+                final_train_loss, _ = check_finite()
+            if (
+                config.eval.iters
+                and self.step > start_step
+                and last_eval != self.step
+                and stopped != "interrupted"
+            ):
+                final_val_loss = evaluate()
+            if self.step != last_saved:
+                self._save(elapsed())
+        finally:
+            if logger is not None:
+                logger.close()
+        session_time = time.perf_counter() - session_start
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "wall_time_s": elapsed(),
+            "final_train_loss": final_train_loss,
+            "final_val_loss": final_val_loss,
+            "tokens_per_s": (self.step - start_step) * self.tokens_per_step / session_time,
+            "parameters": self.model.num_parameters(),
+            "stopped": stopped,
+        }
+        if is_main:
+            with atomic_write(self.run_dir / "summary.json", "w") as f:
+                json.dump(summary, f, indent=2)
+            console.print(
+                f"{stopped} at step {self.step} after {format_seconds(summary['wall_time_s'])}: train loss "
+                f"{_fmt(final_train_loss)}, val loss {_fmt(final_val_loss)}; checkpoint in {self.run_dir / 'checkpoints'}"
+                + ("" if stopped == "finished" else " (continue with --resume)")
+            )
+        if stopped == "interrupted":
+            raise KeyboardInterrupt
+        return summary
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -1,0 +1,61 @@
+"""Two processes with DistributedDataParallel (gloo, CPU) train exactly like one process with the same global batch.
+
+Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm train --config FILE`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scratchlm import train
+from scratchlm.training.config import TrainConfig
+
+
+def test_two_processes_match_one(tmp_path: Path):
+    tokens = np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16)
+    np.save(tmp_path / "train.npy", tokens)
+    np.save(tmp_path / "valid.npy", tokens[:800])
+    config = TrainConfig.from_dict(
+        {
+            "data": {"train": str(tmp_path / "train.npy"), "valid": str(tmp_path / "valid.npy")},
+            "model": {"vocab_size": 64, "context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 4},
+            "optimizer": {"lr": 1e-2},
+            "schedule": {"warmup_iters": 2},
+            # per process: 4 sequences as 2 micro-batches of 2
+            "training": {"batch_size": 8, "grad_accum": 2, "max_steps": 6, "device": "cpu"},
+            "eval": {"interval": 3, "iters": 3},
+            "checkpoint": {"interval": 0},
+            "logging": {"run_dir": str(tmp_path / "one"), "log_interval": 1},
+        }
+    )
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(config.to_toml())
+    train(config.replace(training={"grad_accum": 1}))  # the whole global batch at once, in this process
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "scratchlm", "train", "--config", str(config_path), "--set", f"logging.run_dir={tmp_path / 'two'}",
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def metrics(run: str, key: str) -> list[float]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [r[key] for r in map(json.loads, lines) if key in r]
+
+    np.testing.assert_allclose(metrics("two", "train_loss"), metrics("one", "train_loss"), rtol=1e-5)
+    np.testing.assert_allclose(metrics("two", "grad_norm"), metrics("one", "grad_norm"), rtol=1e-4)
+    np.testing.assert_allclose(metrics("two", "val_loss"), metrics("one", "val_loss"), rtol=1e-5)
+    assert len(metrics("two", "train_loss")) == 6  # rank 0 alone wrote the records
+    one = torch.load(tmp_path / "one" / "checkpoints" / "step_00000006.pt", weights_only=True)
+    two = torch.load(tmp_path / "two" / "checkpoints" / "step_00000006.pt", weights_only=True)
+    assert one["model"].keys() == two["model"].keys()  # the spec's names, no "module." prefix
+    for key in one["model"]:
+        torch.testing.assert_close(two["model"][key], one["model"][key], atol=1e-5, rtol=1e-4)
+    assert not (two["model"]["lm_head.weight"] == 0).all()

@@ -1,0 +1,135 @@
+"""TrainConfig: TOML, overrides, validation, the resolved config written back; `scratchlm train` errors."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.training.config import TrainConfig, parse_override
+from tests.helpers import PROJECT_ROOT
+
+REQUIRED = ["data.train=t.npy", "data.valid=v.npy", "training.max_steps=10"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_file_then_overrides(tmp_path):
+    path = write(
+        tmp_path,
+        '[data]\ntrain = "a.npy"\nvalid = "b.npy"\n[model]\nd_model = 64\nnum_heads = 4\n'
+        "[optimizer]\nlr = 1\nbetas = [0.8, 0.9]\n[training]\nmax_steps = 5\n",
+    )
+    config = TrainConfig.load(
+        path, ["optimizer.lr=3e-4", "training.device=cuda", "model.tie_embeddings=true"]
+    )
+    assert config.data.train == "a.npy"
+    assert config.model.d_model == 64 and config.model.d_ff == 192  # default 8/3 · 64 rounded to 64
+    assert config.optimizer.lr == 3e-4 and config.optimizer.betas == (0.8, 0.9)
+    assert config.training.device == "cuda"  # not a TOML literal: read as a string
+    assert config.model.tie_embeddings is True
+    assert isinstance(TrainConfig.load(path).optimizer.lr, float)  # lr = 1 is a number
+
+
+def test_resolved_toml_reads_back_to_the_same_config():
+    config = TrainConfig.load(None, [*REQUIRED, 'data.tokenizer=tok dir/"x"', "optimizer.betas=[0.9, 0.999]"])
+    text = config.to_toml()
+    assert tomllib.loads(text) == config.to_dict() | {
+        "optimizer": {**config.to_dict()["optimizer"], "betas": [0.9, 0.999]}
+    }
+    assert TrainConfig.from_dict(tomllib.loads(text)) == config
+
+
+def test_token_budget_gives_the_number_of_steps():
+    config = TrainConfig.load(
+        None, ["data.train=t", "data.valid=v", "training.max_tokens=1000000", "training.batch_size=32"]
+    )
+    assert config.total_steps == 123  # ceil(1e6 / (32 × 256))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.lr=fast", r"optimizer\.lr must be a number, got 'fast'"),
+        ("training.compile=1", r"training\.compile must be true or false, got 1"),
+        ("training.batch_size=1.5", r"training\.batch_size must be an integer, got 1\.5"),
+        ("training.precision=fp16", r"training\.precision must be one of 'fp32', 'bf16', got 'fp16'"),
+        ("optimizer.betas=[0.9]", r"optimizer\.betas must be a list of 2 numbers"),
+        ("model.d_model=-3", r"model\.d_model must be a positive integer"),
+        ("training.batch_size=0", r"training\.batch_size must be positive"),
+        ("optimizer.betas=[0.9, 1.0]", r"optimizer\.betas must lie in \[0, 1\)"),
+        ("training.max_tokens=100", "set exactly one of training.max_steps and training.max_tokens"),
+        (
+            "training.grad_accum=3",
+            r"training\.batch_size \(32\) must be divisible by training\.grad_accum \(3\)",
+        ),
+        ("model.colour=1", r"unknown key\(s\) model\.colour; \[model\] accepts: vocab_size, context_length"),
+        ("optimiser.lr=1", r"unknown section\(s\) optimiser; known: data, model, optimizer"),
+        ("lr=1", r"override 'lr=1' must look like section\.key=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_expectation(override, message):
+    with pytest.raises(ScratchlmError, match=message):
+        TrainConfig.load(None, [*REQUIRED, override])
+
+
+def test_data_files_are_required():
+    with pytest.raises(ScratchlmError, match=r"data\.train is required"):
+        TrainConfig.load(None, ["training.max_steps=1"])
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ScratchlmError, match=r"nope\.toml not found"):
+        TrainConfig.load(tmp_path / "nope.toml")
+    with pytest.raises(ScratchlmError, match=r"config\.toml is not valid TOML"):
+        TrainConfig.load(write(tmp_path, "[data\ntrain = 1"))
+    with pytest.raises(ScratchlmError, match=r"config\.toml: data\.train must be a string, got 1"):
+        TrainConfig.load(write(tmp_path, "[data]\ntrain = 1"))
+
+
+def test_parse_override_reads_toml_literals():
+    assert parse_override("a.b=3") == ("a", "b", 3)
+    assert parse_override("a.b = [1, 2]") == ("a", "b", [1, 2])
+    assert parse_override('a.b="x=y"') == ("a", "b", "x=y")
+    assert parse_override("a.b=runs/x") == ("a", "b", "runs/x")
+
+
+def test_shipped_tiny_config_is_valid():
+    config = TrainConfig.load(PROJECT_ROOT / "configs" / "tiny.toml")
+    assert config.total_steps == 200
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scratchlm", "train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_reports_a_bad_config_in_one_line(tmp_path):
+    result = run_cli("--config", str(write(tmp_path, "[training]\nmax_step = 3\n")), cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training.max_step" in lines[0] and "max_steps" in lines[0]
+
+
+def test_cli_reports_a_bad_data_file_in_one_line(tmp_path):
+    np.save(tmp_path / "t.npy", np.array([1, 2, 300] * 20, dtype=np.uint16))
+    result = run_cli(
+        "--set", "data.train=t.npy", "--set", "data.valid=t.npy", "--set", "training.max_steps=1",
+        "--set", "model.vocab_size=256", "--set", "model.context_length=8", "--set", "logging.run_dir=run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "t.npy has id 300 at position 2" in lines[0]

@@ -1,0 +1,233 @@
+"""The training loop: learning, run directory contents, exact resume, Ctrl-C, divergence, budgets."""
+
+import json
+import math
+import signal
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from scratchlm import AdamW, cross_entropy, train
+from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.training import trainer
+from scratchlm.training.config import TrainConfig
+
+VOCAB = 64
+
+
+def token_files(tmp_path: Path) -> tuple[Path, Path]:
+    rng = np.random.default_rng(0)
+    # A learnable sequence: mostly a repeating pattern, with noise.
+    pattern = np.tile(np.arange(VOCAB, dtype=np.uint16), 80)
+    noise = rng.random(pattern.shape) < 0.1
+    pattern[noise] = rng.integers(0, VOCAB, noise.sum())
+    np.save(tmp_path / "train.npy", pattern)
+    np.save(tmp_path / "valid.npy", pattern[:1000])
+    return tmp_path / "train.npy", tmp_path / "valid.npy"
+
+
+def small_config(tmp_path: Path, run: str = "run", **sections: dict) -> TrainConfig:
+    train_file, valid_file = token_files(tmp_path)
+    values = {
+        "data": {"train": str(train_file), "valid": str(valid_file)},
+        "model": {"vocab_size": VOCAB, "context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 4},
+        "optimizer": {"lr": 1e-2, "min_lr": 1e-3},
+        "schedule": {"warmup_iters": 2, "cosine_cycle_iters": 12},
+        "training": {"batch_size": 8, "max_steps": 12, "device": "cpu"},
+        "eval": {"interval": 4, "iters": 2},
+        "checkpoint": {"interval": 4, "keep": 2},
+        "logging": {"run_dir": str(tmp_path / run), "log_interval": 1},
+    }
+    for name, changes in sections.items():
+        values[name] = values.get(name, {}) | changes
+    return TrainConfig.from_dict(values)
+
+
+def records(run_dir: Path, key: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if key in r]
+
+
+def final_state(run_dir: Path) -> dict:
+    checkpoints = sorted((run_dir / "checkpoints").iterdir())
+    return torch.load(checkpoints[-1], weights_only=True)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["iteration"] == b["iteration"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for index, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            other = b["optimizer"]["state"][index][name]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def test_a_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    model = TransformerLM.from_config(
+        ModelConfig(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=2, num_heads=4)
+    )
+    optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ids = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(1))
+    first = None
+    for _ in range(60):
+        optimizer.zero_grad()
+        loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:])
+        first = first if first is not None else loss.item()
+        loss.backward()
+        optimizer.step()
+    assert first > 3.5  # about log(64) = 4.16 at initialisation
+    assert loss.item() < 0.1
+
+
+def test_run_directory_contents(tmp_path):
+    config = small_config(tmp_path)
+    summary = train(config)
+    run_dir = tmp_path / "run"
+    assert summary["steps"] == 12 and summary["tokens"] == 12 * 8 * 16
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    for key in ("run_dir", "wall_time_s", "final_train_loss", "final_val_loss", "tokens_per_s"):
+        assert summary[key] is not None
+    assert TrainConfig.from_dict(tomllib.loads((run_dir / "config.toml").read_text())) == config
+    train_records = records(run_dir, "train_loss")
+    assert [r["step"] for r in train_records] == list(range(1, 13))
+    assert set(train_records[0]) == {
+        "step",
+        "time",
+        "tokens",
+        "train_loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+    }
+    assert train_records[0]["mfu"] is None  # no peak known on a CPU
+    assert train_records[-1]["lr"] == pytest.approx(1e-3)  # the end of the cosine
+    eval_records = records(run_dir, "val_loss")
+    assert [r["step"] for r in eval_records] == [4, 8, 12]
+    assert eval_records[-1]["val_ppl"] == pytest.approx(np.exp(eval_records[-1]["val_loss"]))
+    assert summary["final_val_loss"] == eval_records[-1]["val_loss"]
+    assert train_records[-1]["train_loss"] < train_records[0]["train_loss"] - 0.3  # it learns
+    # the last K = 2 checkpoints are kept, with everything a generator needs
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_00000008.pt", "step_00000012.pt"]
+    state = final_state(run_dir)
+    assert state["model_config"] == config.model.to_dict()
+    assert state["train_config"] == config.to_dict()
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    grad_accum = {"training": {"batch_size": 8, "max_steps": 12, "device": "cpu", "grad_accum": 2}}
+    train(small_config(tmp_path, "straight", **grad_accum))
+    half = small_config(tmp_path, "resumed", **grad_accum).replace(training={"max_steps": 6})
+    train(half)
+    summary = train(small_config(tmp_path, "resumed", **grad_accum), resume=True)
+    assert summary["steps"] == 12
+    assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"))
+    straight, resumed = (
+        records(tmp_path / "straight", "train_loss"),
+        records(tmp_path / "resumed", "train_loss"),
+    )
+    assert [r["train_loss"] for r in straight] == [r["train_loss"] for r in resumed]
+    assert resumed[-1]["time"] > resumed[5]["time"]  # the clock continues across the resume
+
+
+def test_an_existing_run_is_not_overwritten(tmp_path):
+    train(small_config(tmp_path).replace(training={"max_steps": 1}))
+    with pytest.raises(ScratchlmError, match="already has checkpoints; continue it with --resume"):
+        train(small_config(tmp_path))
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, monkeypatch):
+    train(small_config(tmp_path, "straight"))
+    schedule = trainer.cosine_lr_schedule
+
+    def press_ctrl_c_at_step_7(it, *args):
+        if it == 7:
+            signal.raise_signal(signal.SIGINT)
+        return schedule(it, *args)
+
+    monkeypatch.setattr(trainer, "cosine_lr_schedule", press_ctrl_c_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(small_config(tmp_path, "stopped"))
+    assert (tmp_path / "stopped" / "checkpoints" / "step_00000007.pt").exists()  # the step was finished
+    monkeypatch.setattr(trainer, "cosine_lr_schedule", schedule)
+    train(small_config(tmp_path, "stopped"), resume=True)
+    assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "stopped"))
+
+
+def test_an_abort_mid_step_keeps_the_last_completed_step(tmp_path, monkeypatch):
+    train(small_config(tmp_path, "straight"))
+    calls = {"n": 0}
+
+    def loss_then_abort(logits, targets):
+        calls["n"] += 1
+        if calls["n"] == 10:  # the forward pass of step 10 (no evaluation has run yet... see below)
+            raise KeyboardInterrupt
+        return cross_entropy(logits, targets)
+
+    monkeypatch.setattr(trainer, "cross_entropy", loss_then_abort)
+    with pytest.raises(KeyboardInterrupt):
+        train(small_config(tmp_path, "aborted", eval={"interval": 0, "iters": 2}))
+    assert (tmp_path / "aborted" / "checkpoints" / "step_00000009.pt").exists()
+    monkeypatch.setattr(trainer, "cross_entropy", cross_entropy)
+    train(small_config(tmp_path, "aborted", eval={"interval": 0, "iters": 2}), resume=True)
+    assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "aborted"))
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    def loss_that_turns_nan(logits, targets):
+        calls["n"] += 1
+        loss = cross_entropy(logits, targets)
+        return loss * float("nan") if calls["n"] >= 6 else loss
+
+    monkeypatch.setattr(trainer, "cross_entropy", loss_that_turns_nan)
+    config = small_config(
+        tmp_path,
+        eval={"interval": 0, "iters": 2},
+        logging={"log_interval": 3, "run_dir": str(tmp_path / "run")},
+    )
+    with pytest.raises(
+        ScratchlmError,
+        match=r"loss became non-finite by step 6; the last good checkpoint is .*step_00000004\.pt",
+    ):
+        train(config)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004.pt"]
+
+
+def test_time_budget_stops_with_a_checkpoint(tmp_path):
+    summary = train(small_config(tmp_path, training={"max_time_s": 1e-6}))
+    assert summary["stopped"] == "time budget" and summary["steps"] == 1
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001.pt").exists()
+
+
+def test_bad_data_is_reported_before_training(tmp_path):
+    config = small_config(tmp_path, model={"vocab_size": 32})
+    with pytest.raises(
+        ScratchlmError, match=r"train\.npy has id 63 at position 63; the model.s vocabulary is 0\.\.31"
+    ):
+        train(config)
+
+
+@pytest.mark.parametrize("sink, module", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")])
+def test_an_optional_logger_that_is_not_installed_is_a_clear_error(tmp_path, monkeypatch, sink, module):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    config = small_config(tmp_path, logging={"run_dir": str(tmp_path / "run"), sink: True})
+    with pytest.raises(
+        ScratchlmError, match=rf"logging\.{sink} = true needs the {sink} package: pip install"
+    ):
+        train(config)
+
+
+def test_bf16_autocast_trains(tmp_path):
+    summary = train(small_config(tmp_path, training={"max_steps": 4, "precision": "bf16", "device": "cpu"}))
+    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
