@@ -1,0 +1,11 @@
+"""The Transformer language model.
+
+- `config.py`: `ModelConfig`, the hyperparameters and ablation switches, saved in every checkpoint.
+- `layers.py`: Linear, Embedding, RMSNorm, SwiGLU, softmax, attention, RoPE — each from tensor operations.
+- `transformer.py`: `TransformerBlock` and `TransformerLM`.
+- `kv_cache.py`: the sliding-window key/value cache used for generation.
+- `accounting.py`: parameters, FLOPs and training memory from formulas (`scratchlm accounting`).
+
+The public names are exported from the top-level package (`from scratchlm import TransformerLM`); this
+package imports nothing itself, so that reading a `ModelConfig` does not load torch.
+"""
