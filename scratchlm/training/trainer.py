@@ -107,6 +107,10 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     the summary that is also written to `RUN/summary.json`."""
     device = resolve_device(config.training.device)
     dist_info, device = init_distributed(device)
+    if device.type == "cpu":
+        # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
+        # (measured: 2.8 s vs 0.26 s for clip + AdamW per bf16 step); flushing them to zero costs nothing.
+        torch.set_flush_denormal(True)
     try:
         return _Run(config, dist_info, device, resume).run()
     finally:
