@@ -1,0 +1,47 @@
+"""`scratchlm eval --run DIR --data valid.npy`: loss and perplexity of a model on a whole token file."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Evaluate a trained model on a whole token file (.npy): loss and perplexity."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
+    source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
+    parser.add_argument(
+        "--data", required=True, metavar="FILE", help="token file (.npy), e.g. data/valid.npy"
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="windows per forward pass (default 32)")
+    parser.add_argument(
+        "--context-length", type=int, default=None, help="window length (default: the model's context length)"
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, ... (default auto)"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    import time
+
+    from scratchlm.console import console
+    from scratchlm.training.checkpoint import load_model
+    from scratchlm.training.data import load_tokens
+    from scratchlm.training.distributed import resolve_device
+    from scratchlm.training.evaluate import evaluate
+
+    model, _ = load_model(args.run or args.checkpoint, device=resolve_device(args.device))
+    tokens = load_tokens(args.data, model.config.vocab_size, 1)
+    start = time.perf_counter()
+    result = evaluate(
+        model, tokens, batch_size=args.batch_size, context_length=args.context_length, show_progress=True
+    )
+    seconds = time.perf_counter() - start
+    perplexity = f"{result.perplexity:.3f}" if result.perplexity < 1e6 else f"{result.perplexity:.3e}"
+    print(f"loss {result.loss:.4f}  perplexity {perplexity}")
+    console.print(
+        f"[dim]{args.data}: {result.tokens:,} predicted tokens in {result.windows:,} windows, "
+        f"{seconds:.1f} s ({result.tokens / max(seconds, 1e-9):,.0f} tokens/s)[/]"
+    )

@@ -1,0 +1,125 @@
+"""`scratchlm generate --run DIR --prompt "Once upon a time"`: sample text from a trained model, streamed.
+
+The text is printed as it is produced. Tokens are decoded through an incremental UTF-8 decoder, because one
+token can end in the middle of a multi-byte character that the next token completes; the decoder holds those
+bytes back until the character is whole. Each sample ends at `<|endoftext|>` or after `--max-new-tokens`, and
+is followed (on stderr) by its token count and speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
+    source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
+    parser.add_argument(
+        "--prompt", default="", help="text to continue (default: none, i.e. start a new document)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="token budget per sample (default 256)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (default 0.9)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only")
+    parser.add_argument("--seed", type=int, default=None, help="random seed, for reproducible samples")
+    parser.add_argument("--num-samples", type=int, default=1, help="how many samples to draw (default 1)")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer directory (default: the one recorded in the training config)",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, ... (default auto)"
+    )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="recompute the whole context for every token (slow; for comparison)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    import codecs
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from scratchlm.console import console
+    from scratchlm.errors import ScratchlmError
+    from scratchlm.generation.generate import generate_stream
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.training.checkpoint import load_model
+    from scratchlm.training.distributed import resolve_device
+
+    if args.num_samples < 1:
+        raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
+    device = resolve_device(args.device)
+    model, train_config = load_model(args.run or args.checkpoint, device=device)
+    tokenizer_dir = args.tokenizer or train_config.get("data", {}).get("tokenizer")
+    if not tokenizer_dir:
+        raise ScratchlmError("the checkpoint records no tokenizer directory; pass --tokenizer DIR")
+    if not Path(tokenizer_dir).is_dir():
+        raise ScratchlmError(f"tokenizer directory {tokenizer_dir} not found; pass --tokenizer DIR")
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ScratchlmError(
+            f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model only "
+            f"{model.config.vocab_size}: they do not belong together (pass the run's --tokenizer)"
+        )
+    eos_id = tokenizer.token_id("<|endoftext|>") if "<|endoftext|>" in tokenizer.special_tokens else None
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        if eos_id is None:
+            raise ScratchlmError(
+                "give a --prompt: the tokenizer has no <|endoftext|> to start a document with"
+            )
+        prompt_ids = [eos_id]  # an empty prompt starts a fresh document, as after a document boundary
+    generator = torch.Generator(device=device)
+    if args.seed is not None:
+        generator.manual_seed(args.seed)
+    else:
+        generator.seed()
+
+    replacement = "\ufffd".encode()
+    for sample in range(args.num_samples):
+        if args.num_samples > 1:
+            console.rule(f"sample {sample + 1}/{args.num_samples}")
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        count, start = 0, time.perf_counter()
+        stream = generate_stream(
+            model,
+            prompt_ids,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            eos_id=eos_id,
+            generator=generator,
+            use_cache=not args.no_cache,
+        )
+        for token in stream:
+            count += 1
+            if token == eos_id:
+                break
+            sys.stdout.write(decoder.decode(tokenizer.vocab.get(token, replacement)))
+            sys.stdout.flush()
+        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        sys.stdout.flush()
+        seconds = time.perf_counter() - start
+        ending = "<|endoftext|>" if count and token == eos_id else "token budget"
+        console.print(
+            f"[dim]{count} tokens in {seconds:.2f} s: {count / max(seconds, 1e-9):.1f} tokens/s (stopped at {ending})[/]"
+        )

@@ -1,0 +1,30 @@
+"""`scratchlm plot RUN_DIR... --out curves.png`: loss curves of training runs, overlaid."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Plot validation and train loss against steps and wall-clock time for one or more runs (PNG)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN_DIR", help="training run directories (with metrics.jsonl)"
+    )
+    parser.add_argument("--out", required=True, metavar="PNG", help="output image, e.g. curves.png")
+    parser.add_argument(
+        "--labels", help="comma-separated legend labels, one per run (default: directory names)"
+    )
+    parser.add_argument("--title", help="figure title")
+
+
+def run(args: argparse.Namespace) -> None:
+    from scratchlm.console import console
+    from scratchlm.experiments.plot import plot_runs
+
+    labels = args.labels.split(",") if args.labels else None
+    drawn = plot_runs(args.runs, args.out, labels=labels, title=args.title)
+    for label, curves in drawn.items():
+        val = curves.get("val", {}).get("loss")
+        console.print(f"{label}: final val loss {val[-1]:.4f}" if val else f"{label}: no validation records")
+    console.print(f"wrote {args.out}")

@@ -1,0 +1,152 @@
+"""Loss curves of one or more training runs, read from each run's `metrics.jsonl`, drawn as one PNG.
+
+Two panels share the loss axis: loss against gradient steps (compares sample efficiency) and against training
+wall-clock time in minutes (compares what a run costs). Each run has one colour: its validation loss is the
+solid line with markers, its training loss the faint line behind it. Points whose loss is not finite (a
+diverged run) are left out and the run's label says "diverged"; the loss axis is capped a little above the
+runs' typical initial loss, so one run that blew up does not flatten the others into a line.
+
+A metrics file is read line by line, one JSON object per line; a reader takes the records that have the key it
+plots ("train_loss" or "val_loss"). An unterminated last line is a record still being written by a running
+training and is skipped, so a run can be plotted while it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.io import atomic_write
+
+METRICS_FILE = "metrics.jsonl"
+# loss key in metrics.jsonl -> curve name
+CURVES = {"train_loss": "train", "val_loss": "val"}
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of `run_dir/metrics.jsonl` (or of a metrics file given directly), in file order."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise ScratchlmError(f"no metrics file at {path} (is {run_dir} a training run directory?)")
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline after it: a record still being appended
+                break
+            raise ScratchlmError(f"{path}:{number}: not a JSON record ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ScratchlmError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def loss_curves(records: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """`{"train": {"step", "time", "loss"}, "val": {...}}` from metrics records, all points, file order."""
+    curves: dict[str, dict[str, list[float]]] = {}
+    for key, name in CURVES.items():
+        points = [r for r in records if key in r]
+        curves[name] = {
+            "step": [float(r["step"]) for r in points],
+            "time": [float(r["time"]) for r in points],
+            "loss": [float(r[key]) for r in points],
+        }
+    return curves
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    labels: Sequence[str] | None = None,
+    title: str | None = None,
+    size: tuple[float, float] = (12.0, 4.5),
+    dpi: int = 100,
+) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Draw the runs' loss curves into the PNG `out` (`size` inches × `dpi` pixels per inch).
+
+    Returns what was drawn, read back from the figure's lines: `{label: {"train"|"val": {"step": [...],
+    "minutes": [...], "loss": [...]}}}` (only the curves a run has, only finite points).
+    """
+    # A bare Figure on the Agg canvas: no pyplot global state, no display and no GUI toolkit needed.
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not run_dirs:
+        raise ScratchlmError("plot needs at least one run directory")
+    labels = list(labels) if labels is not None else [Path(d).resolve().name for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ScratchlmError(f"got {len(labels)} labels for {len(run_dirs)} runs")
+    if len(set(labels)) != len(labels):
+        raise ScratchlmError(f"run labels must be distinct, got {', '.join(labels)}")
+
+    fig = Figure(figsize=size, dpi=dpi)
+    FigureCanvasAgg(fig)
+    by_step, by_time = fig.subplots(1, 2, sharey=True)
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn: dict[str, dict[str, dict[str, list[float]]]] = {}
+    initial_losses: list[float] = []
+    finite_min, finite_max = math.inf, -math.inf
+    for index, (run_dir, label) in enumerate(zip(run_dirs, labels, strict=True)):
+        curves = loss_curves(read_metrics(run_dir))
+        diverged = any(not math.isfinite(v) for curve in curves.values() for v in curve["loss"])
+        color = colors[index % len(colors)]
+        legend = f"{label} (diverged)" if diverged else label
+        drawn[label] = {}
+        for name, curve in curves.items():
+            finite = [i for i, v in enumerate(curve["loss"]) if math.isfinite(v)]
+            if not finite:
+                continue
+            steps = [curve["step"][i] for i in finite]
+            minutes = [curve["time"][i] / 60 for i in finite]
+            losses = [curve["loss"][i] for i in finite]
+            initial_losses.append(losses[0])
+            finite_min, finite_max = min(finite_min, *losses), max(finite_max, *losses)
+            # Validation carries the legend entry; a run without validation records shows its training loss.
+            is_main = name == "val" or not curves["val"]["loss"]
+            style: dict[str, Any] = (
+                {"linewidth": 1.8, "marker": "o", "markersize": 3, "label": legend}
+                if name == "val"
+                else {"linewidth": 1.0, "alpha": 0.35, "label": legend if is_main else None}
+            )
+            (step_line,) = by_step.plot(steps, losses, color=color, **style)
+            (time_line,) = by_time.plot(minutes, losses, color=color, **style)
+            drawn[label][name] = {
+                "step": [float(x) for x in step_line.get_xdata()],
+                "minutes": [float(x) for x in time_line.get_xdata()],
+                "loss": [float(y) for y in step_line.get_ydata()],
+            }
+    if not initial_losses:
+        raise ScratchlmError("none of the runs has a finite train_loss or val_loss record to plot")
+    # A run that blew up leaves through the top; the others keep the axis. The cap is set by the typical
+    # initial loss (the median: a run can blow up before its first record).
+    cap = 1.1 * statistics.median(initial_losses)
+    if finite_max > cap:
+        by_step.set_ylim(finite_min - 0.05 * (cap - finite_min), cap)
+
+    by_step.set_xlabel("gradient step")
+    by_time.set_xlabel("training wall-clock time (minutes)")
+    by_step.set_ylabel("loss (nats/token)")
+    by_step.set_title("loss vs steps (solid: validation, faint: train)", fontsize=10)
+    by_time.set_title("loss vs wall-clock time", fontsize=10)
+    for axis in (by_step, by_time):
+        axis.grid(True, alpha=0.3)
+    by_time.legend(fontsize=8, loc="upper right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    with atomic_write(out, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    return drawn

@@ -1,0 +1,91 @@
+"""Choosing the next token from the logits of the last position: temperature, top-k, top-p, sampling.
+
+The next-token distribution is built in three steps, applied in this order (the order of the common
+implementations, so that settings carry over):
+
+1. temperature τ: `softmax(v / τ)`. τ < 1 sharpens the distribution, τ > 1 flattens it; τ = 0 is the limit
+   τ → 0, greedy decoding: all the probability on the most likely token (the first one on ties, as `argmax`).
+2. top-k: only the k largest logits stay; the others get probability 0. Tokens tied with the k-th largest logit
+   all stay, so the result does not depend on how a sort orders equal values.
+3. top-p (nucleus): sort the probabilities in decreasing order and keep the smallest prefix whose sum reaches p
+   — a token stays if the probability of the tokens strictly ahead of it is still below p, so the most likely
+   token always stays — then renormalise to sum 1.
+
+`sample_next_token` draws from that distribution with an optional `torch.Generator`, so a seed reproduces the
+draw; greedy decoding draws nothing and leaves the generator untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.model.layers import softmax
+
+
+def check_sampling_options(temperature: float, top_p: float, top_k: int | None) -> None:
+    """Raise `ScratchlmError` for settings outside their ranges (negative temperature, p outside (0, 1], k < 1)."""
+    if not (temperature >= 0 and temperature != float("inf")):
+        raise ScratchlmError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ScratchlmError(f"top_p must be in (0, 1], got {top_p!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ScratchlmError(f"top_k must be a positive integer (or None for no limit), got {top_k!r}")
+
+
+def top_k_filter(logits: Float[Tensor, "... vocab"], k: int) -> Float[Tensor, "... vocab"]:
+    """Set every logit below the k-th largest of its row to -inf (ties with the k-th largest stay)."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(probs: Float[Tensor, "... vocab"], p: float) -> Float[Tensor, "... vocab"]:
+    """Keep the smallest set of most likely tokens whose probability sum reaches `p`; renormalise."""
+    if p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    # Probability mass strictly ahead of each token in the sorted order: the first token has 0 ahead, so it
+    # always stays, and the token whose own mass makes the sum reach p is the last one kept.
+    mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_ahead >= p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def next_token_probs(
+    logits: Float[Tensor, "... vocab"],
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+) -> Float[Tensor, "... vocab"]:
+    """The distribution the next token is drawn from (float32), after temperature, top-k and top-p."""
+    check_sampling_options(temperature, top_p, top_k)
+    logits = logits.float()
+    if temperature == 0:
+        # The τ → 0 limit of softmax(v / τ): a point mass on the argmax (top-k and top-p keep it unchanged).
+        greedy = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter(-1, greedy, 1.0)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    return top_p_filter(softmax(logits, dim=-1), top_p)
+
+
+def sample_next_token(
+    logits: Float[Tensor, "... vocab"],
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[Tensor, "..."]:
+    """Draw one token id per row of `logits`; `temperature=0` is greedy (argmax, no randomness used)."""
+    if temperature == 0:
+        check_sampling_options(temperature, top_p, top_k)
+        return logits.argmax(dim=-1)
+    probs = next_token_probs(logits, temperature, top_p, top_k)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

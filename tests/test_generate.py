@@ -1,0 +1,238 @@
+"""Generation: the KV-cache path against full recomputation written here from scratch (greedy and seeded
+sampling, a batch, past the context length, the ablated models), end-of-text handling and the cost per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.generation.generate import generate, generate_stream
+from scratchlm.model.transformer import TransformerLM
+
+VOCAB, CONTEXT = 61, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; several threads on a busy machine mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed: int = 0, **options) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(VOCAB, CONTEXT, 32, 2, 4, None, **options).eval()
+
+
+def reference_generate(
+    model: TransformerLM,
+    prompts: torch.Tensor,
+    steps: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Full recomputation with torch's softmax: each step runs the model on the last CONTEXT tokens."""
+    tokens = prompts.clone()
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(tokens[:, -CONTEXT:])[:, -1]
+            if temperature == 0:
+                next_tokens = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
+    return tokens[:, prompts.shape[1] :].tolist()
+
+
+# Prompts of 5 tokens and 40 new ones: 45 positions, almost three times the context.
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_batch_past_context_equals_recomputation(use_cache: bool) -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(1))
+    got = generate(model, prompts, 40, temperature=0, use_cache=use_cache)
+    assert got == reference_generate(model, prompts, 40, temperature=0)
+    assert len({tuple(row) for row in got}) == 3  # the rows really differ
+
+
+def test_seeded_sampling_batch_past_context_equals_recomputation() -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, VOCAB, (4, 3), generator=torch.Generator().manual_seed(2))
+    cached = generate(model, prompts, 40, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    expected = reference_generate(model, prompts, 40, 1.0, torch.Generator().manual_seed(5))
+    assert cached == expected
+    recomputed = generate(
+        model, prompts, 40, temperature=1.0, generator=torch.Generator().manual_seed(5), use_cache=False
+    )
+    assert recomputed == expected
+    other_seed = generate(model, prompts, 40, temperature=1.0, generator=torch.Generator().manual_seed(6))
+    assert other_seed != cached
+
+
+@pytest.mark.parametrize(
+    "options", [{"norm": "post"}, {"norm": "none"}, {"positions": "none"}, {"ffn": "silu"}]
+)
+def test_cache_equals_recomputation_for_ablations(options: dict) -> None:
+    model = tiny_model(**options)
+    prompts = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    got = generate(model, prompts, 30, temperature=0.9, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    again = generate(
+        model,
+        prompts,
+        30,
+        temperature=0.9,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(7),
+        use_cache=False,
+    )
+    assert got == again
+    assert generate(model, prompts, 30, temperature=0) == reference_generate(model, prompts, 30, 0)
+
+
+def test_cache_costs_one_position_per_token_within_the_context() -> None:
+    model = tiny_model()
+    lengths: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[-1]))
+    generate(model, [1, 2, 3, 4, 5], 14, temperature=0)
+    # Prefill of the prompt, then one position per step until the sequence outgrows the context (16 tokens);
+    # from there each step runs on the last 16.
+    assert lengths == [5] + [1] * 11 + [16] * 2
+    lengths.clear()
+    generate(model, [1, 2, 3, 4, 5], 14, temperature=0, use_cache=False)
+    assert lengths == [*range(5, 17), 16, 16]
+
+
+def test_batch_equals_each_prompt_alone() -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    batch = generate(model, prompts, 25, temperature=0)
+    assert batch == [generate(model, row.tolist(), 25, temperature=0) for row in prompts]
+
+
+def test_eos_stops_a_row_and_the_others_continue() -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(8))
+    free = generate(model, prompts, 20, temperature=0)
+    eos = free[0][3]  # row 0 produces this token at step 4
+    stopped = generate(model, prompts, 20, temperature=0, eos_id=eos)
+    for row_free, row_stopped in zip(free, stopped, strict=True):
+        end = row_free.index(eos) + 1 if eos in row_free else len(row_free)
+        assert row_stopped == row_free[:end]
+    assert len(stopped[0]) <= 4 and stopped[0][-1] == eos
+
+
+def test_generation_ends_when_every_row_has_finished() -> None:
+    model = tiny_model()
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    first = generate(model, [7, 8, 9], 1, temperature=0)[0]
+    calls.clear()
+    assert generate(model, [7, 8, 9], 50, temperature=0, eos_id=first) == [first]
+    assert len(calls) == 1
+
+
+def test_single_prompt_forms_stream_and_long_prompt() -> None:
+    model = tiny_model()
+    as_list = generate(model, [3, 1, 4, 1, 5], 20, temperature=0)
+    assert isinstance(as_list, list) and all(isinstance(t, int) for t in as_list) and len(as_list) == 20
+    assert generate(model, torch.tensor([3, 1, 4, 1, 5]), 20, temperature=0) == as_list
+    assert list(generate_stream(model, [3, 1, 4, 1, 5], 20, temperature=0)) == as_list
+    assert generate(model, [3, 1, 4], 0) == []
+    # A prompt longer than the context: only its last CONTEXT tokens matter.
+    long_prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(9))
+    assert generate(model, long_prompt, 5, temperature=0) == generate(
+        model, long_prompt[-CONTEXT:], 5, temperature=0, use_cache=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "message"),
+    [
+        ([], {}, "empty"),
+        ([1, VOCAB], {}, "vocabulary"),
+        ([-1, 2], {}, "vocabulary"),
+        ([[[1]]], {}, "2-D"),
+        ([1.5, 2.0], {}, "integer"),
+        ([[1, 2], [3]], {}, "equal length"),
+        ([1, 2], {"max_new_tokens": -1}, "max_new_tokens"),
+        ([1, 2], {"temperature": -1.0}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+    ],
+)
+def test_bad_input_is_a_user_error(prompt: list, options: dict, message: str) -> None:
+    model = tiny_model()
+    kwargs = {"max_new_tokens": 3, **options}
+    with pytest.raises(ScratchlmError, match=message):
+        generate(model, prompt, **kwargs)
+
+
+# -- the command line --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def trained_files(tmp_path):
+    """A tokenizer directory and a checkpoint of a random model that records it, as training would."""
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+    from scratchlm.training.checkpoint import save_checkpoint
+    from scratchlm.training.optim import AdamW
+
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a café.<|endoftext|>Un été très chaud, naïve 日本語.\n" * 20)
+    vocab, merges = train_bpe(text, 300, ["<|endoftext|>"], workers=1)
+    tokenizer = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    tokenizer.save(tmp_path / "tokenizer")
+    torch.manual_seed(0)
+    model = TransformerLM(tokenizer.vocab_size, CONTEXT, 32, 2, 4, None).eval()
+    checkpoint = tmp_path / "model.pt"
+    train_config = {"data": {"tokenizer": str(tmp_path / "tokenizer")}}
+    save_checkpoint(model, AdamW(model.parameters()), 0, checkpoint, train_config=train_config)
+    return model, tokenizer, checkpoint
+
+
+def test_cli_streams_the_same_text_as_generate(trained_files, capsys: pytest.CaptureFixture) -> None:
+    from scratchlm.cli import main
+
+    model, tokenizer, checkpoint = trained_files
+    prompt = "Un été"
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "40"]
+    assert main([*argv, "--seed", "3", "--device", "cpu", "--num-samples", "2"]) == 0
+    out = capsys.readouterr().out
+    generator = torch.Generator().manual_seed(3)
+    eos = tokenizer.token_id("<|endoftext|>")
+    expected = ""
+    for _ in range(2):
+        ids = generate(
+            model, tokenizer.encode(prompt), 40, temperature=0.8, top_p=0.9, eos_id=eos, generator=generator
+        )
+        expected += prompt + tokenizer.decode([t for t in ids if t != eos]) + "\n"
+    assert out == expected
+
+
+def test_cli_decodes_characters_split_across_tokens(
+    trained_files, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from scratchlm.cli import main
+    from scratchlm.generation import generate as generate_module
+
+    _, tokenizer, checkpoint = trained_files
+    # "é" is the bytes C3 A9, "日" E6 97 A5: sent one byte-token at a time, then an invalid lone byte.
+    pieces = [b"a", b"\xc3", b"\xa9", b"\xe6", b"\x97", b"\xa5", b"\xff", b"!"]
+    ids = [next(i for i, token in tokenizer.vocab.items() if token == piece) for piece in pieces]
+    monkeypatch.setattr(generate_module, "generate_stream", lambda *args, **kwargs: iter(ids))
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "x", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == "xaé日\ufffd!\n"
+
+
+def test_cli_bad_input_is_one_line(trained_files, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from scratchlm.cli import main
+
+    _, _, checkpoint = trained_files
+    assert main(["generate", "--checkpoint", str(tmp_path / "nope.pt"), "--prompt", "a"]) == 2
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "a", "--top-p", "2"]) == 2
+    assert main(["generate", "--checkpoint", str(checkpoint), "--tokenizer", str(tmp_path / "none")]) == 2
+    errors = capsys.readouterr().err
+    assert "Traceback" not in errors and errors.count("error:") == 3
