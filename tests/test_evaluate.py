@@ -17,15 +17,6 @@ from scratchlm.training.evaluate import evaluate
 VOCAB, CONTEXT = 53, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; several threads on a busy machine mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> TransformerLM:
     torch.manual_seed(0)

@@ -13,15 +13,6 @@ from scratchlm.model.transformer import TransformerLM
 VOCAB, CONTEXT = 61, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; several threads on a busy machine mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed: int = 0, **options) -> TransformerLM:
     torch.manual_seed(seed)
     return TransformerLM(VOCAB, CONTEXT, 32, 2, 4, None, **options).eval()

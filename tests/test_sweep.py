@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from scratchlm.cli import main
 from scratchlm.errors import ScratchlmError
@@ -42,15 +41,6 @@ interval = 0
 [logging]
 log_interval = 2
 """
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; several threads on a busy machine mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -1,0 +1,14 @@
+"""Test-wide settings.
+
+The tests run tiny models, in two processes at once under pytest-xdist: one intra-op thread per process is
+the fastest, while several threads per process on a 2-core machine mostly wait for each other. The variable
+also reaches the processes that tests start (torchrun, the CLI).
+"""
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after the thread setting, which torch reads when it loads)
+
+torch.set_num_threads(1)
