@@ -139,6 +139,19 @@ def test_resume_continues_bit_for_bit(tmp_path):
     assert resumed[-1]["time"] > resumed[5]["time"]  # the clock continues across the resume
 
 
+def test_resuming_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):
+    config = small_config(tmp_path)
+    summary = train(config)
+    run_dir = tmp_path / "run"
+    files = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    again = train(config, resume=True)
+    assert "run already finished" in capsys.readouterr().err
+    assert again == summary
+    assert math.isfinite(again["final_train_loss"]) and math.isfinite(again["final_val_loss"])
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == files
+
+
 def test_an_existing_run_is_not_overwritten(tmp_path):
     train(small_config(tmp_path).replace(training={"max_steps": 1}))
     with pytest.raises(ScratchlmError, match="already has checkpoints; continue it with --resume"):

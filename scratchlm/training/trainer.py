@@ -21,6 +21,7 @@ A checkpoint holds the model, the optimizer, the step, the sampling generator's 
 the elapsed time. The schedule is a function of the step, so a resumed run continues exactly: on CPU, N steps,
 resume, N steps gives bit-for-bit the parameters of 2N steps in one go. Ctrl-C finishes the current step, saves
 a checkpoint and exits; so does the wall-clock budget `max_time_s` (counted across resumes).
+Resuming a run that has no steps left changes nothing in it and returns the summary it wrote.
 """
 
 from __future__ import annotations
@@ -117,7 +118,56 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         shutdown_distributed()
 
 
+class _Interval:
+    """The steps since the last log step: their summed loss and gradient norm, kept on the device so that the
+    loop reads from the accelerator (and waits for it) once per interval, and their wall time less the pauses
+    for evaluation and checkpoints, so that tokens/s measures training alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.grad_norm = torch.zeros((), device=device)
+        self.steps, self.start, self.paused = 0, time.perf_counter(), 0.0
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.loss += loss
+        self.grad_norm += grad_norm
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Time spent inside does not count towards the interval's tokens/s."""
+        start = time.perf_counter()
+        yield
+        self.paused += time.perf_counter() - start
+
+    def means(self, step: int, run_dir: Path) -> tuple[float, float]:
+        """The mean loss (over all processes) and gradient norm of the interval so far; stops the run if either
+        is not finite."""
+        loss = all_reduce(self.loss / max(self.steps, 1)).item()
+        norm = self.grad_norm.item() / max(self.steps, 1)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            kept = latest_checkpoint(run_dir)
+            raise ScratchlmError(
+                f"training diverged: the {'loss' if not math.isfinite(loss) else 'gradient norm'} became "
+                f"non-finite by step {step}; "
+                + (f"the last good checkpoint is {kept}" if kept else "no checkpoint was written")
+                + " (try a lower optimizer.lr or a longer schedule.warmup_iters)"
+            )
+        return loss, norm
+
+    def close(self, tokens_per_step: int) -> float:
+        """Ends the interval and starts the next; returns the ended interval's tokens/s."""
+        now = time.perf_counter()
+        tokens_per_s = self.steps * tokens_per_step / max(now - self.start - self.paused, 1e-9)
+        self.loss.zero_()
+        self.grad_norm.zero_()
+        self.steps, self.start, self.paused = 0, now, 0.0
+        return tokens_per_s
+
+
 class _Run:
+    """One session of a run: built from the config (and the latest checkpoint when resuming), then `run()`."""
+
     def __init__(
         self, config: TrainConfig, dist_info: Distributed, device: torch.device, resume: bool
     ) -> None:
@@ -145,6 +195,7 @@ class _Run:
         self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
         self.generator = np.random.default_rng(t.seed)
         self.step, self.elapsed_before = 0, 0.0
+        self.last_saved: int | None = None  # the step of the newest checkpoint on disk
         self._restore(resume)
         self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
         self.in_update = False
@@ -158,6 +209,15 @@ class _Run:
         )
         self.peak = peak_flops(device, t.precision, config.logging.peak_tflops)
 
+        # What this session has seen so far; `run` starts the clock.
+        self.start_step = self.step
+        self.stop = StopRequest(dist_info.enabled)
+        self.stopped = "finished"
+        self.final_train_loss: float | None = None
+        self.final_val_loss: float | None = None
+        self.last_eval: int | None = None
+        self.logger: MetricsLogger | None = None
+
     def _restore(self, resume: bool) -> None:
         existing = latest_checkpoint(self.run_dir)
         if existing is not None and not resume:
@@ -170,7 +230,7 @@ class _Run:
                 console.print(f"no checkpoint in {self.run_dir}: starting a new run")
             return
         state = read_checkpoint(existing)
-        self.step = load_checkpoint(state, self.model, self.optimizer)
+        self.step = self.last_saved = load_checkpoint(state, self.model, self.optimizer)
         self.generator.bit_generator.state = state["data_rng"]
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
@@ -240,7 +300,8 @@ class _Run:
         self.model.train()
         return all_reduce(total, "sum").item() / (self.config.eval.iters * self.eval_batch)
 
-    def _save(self, elapsed: float) -> Path | None:
+    def _save(self) -> Path | None:
+        self.last_saved = self.step
         if not self.dist.is_main:
             return None
         path = checkpoint_path(self.run_dir, self.step)
@@ -248,7 +309,7 @@ class _Run:
             "train_config": self.config.to_dict(),
             "data_rng": self.committed_rng,
             "torch_rng": torch.get_rng_state(),
-            "elapsed_s": elapsed,
+            "elapsed_s": self._elapsed(),
             "tokens": self.step * self.tokens_per_step,
         }
         if self.device.type == "cuda":
@@ -260,8 +321,43 @@ class _Run:
     # -- the loop -------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        config, is_main = self.config, self.dist.is_main
-        if is_main:
+        if self.step >= self.total_steps:
+            return self._already_finished()
+        self._start()
+        config = self.config
+        try:
+            try:
+                with self.stop.installed():
+                    while self.step < self.total_steps:
+                        self.interval.add(*self._train_step())
+
+                        at_log = self.step % config.logging.log_interval == 0 or self.step == self.total_steps
+                        at_eval = config.eval.interval and self.step % config.eval.interval == 0
+                        at_save = config.checkpoint.interval and self.step % config.checkpoint.interval == 0
+                        if at_log or at_save:  # a checkpoint is written only after this finiteness check
+                            self.final_train_loss, grad_norm = self.interval.means(self.step, self.run_dir)
+                        if at_log:
+                            self._log_train(self.final_train_loss, grad_norm)
+                        with self.interval.pause():
+                            if at_eval and config.eval.iters:
+                                self._evaluate()
+                            if at_save:
+                                self._save()
+                        if self._maybe_stop(at_log):
+                            break
+            except KeyboardInterrupt:
+                self._save_after_abort()
+                raise
+            self._end_session()
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+        return self._finish()
+
+    def _start(self) -> None:
+        """Write the run's config, announce the run, open the metrics log and start the clocks."""
+        config = self.config
+        if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with atomic_write(self.run_dir / "config.toml", "w") as f:
                 f.write(config.to_toml())
@@ -270,9 +366,7 @@ class _Run:
                 f"{f' × {self.dist.world_size} processes' if self.dist.enabled else ''}: {self.total_steps:,} steps"
                 f" of {config.training.batch_size} × {self.context} tokens → {self.run_dir}"
             )
-        logger = None
-        if is_main:
-            logger = MetricsLogger(
+            self.logger = MetricsLogger(
                 self.run_dir,
                 config.to_dict(),
                 self.total_steps,
@@ -281,154 +375,117 @@ class _Run:
                 wandb_project=config.logging.wandb_project,
                 tensorboard=config.logging.tensorboard,
             )
-        start_step, session_start = self.step, time.perf_counter()
-        stop = StopRequest(self.dist.enabled)
-        stopped, final_train_loss, final_val_loss = "finished", None, None
-        last_saved = self.step if latest_checkpoint(self.run_dir) is not None else None
-        last_eval = None
+        self.session_start = time.perf_counter()
+        self.interval = _Interval(self.device)
 
-        def elapsed() -> float:
-            return self.elapsed_before + time.perf_counter() - session_start
+    def _elapsed(self) -> float:
+        """Seconds of training in this run, over all its sessions."""
+        return self.elapsed_before + time.perf_counter() - self.session_start
 
-        def log(record: dict[str, Any]) -> None:
-            if logger is not None:
-                logger.log(
-                    {
-                        "step": self.step,
-                        "time": round(elapsed(), 3),
-                        "tokens": self.step * self.tokens_per_step,
-                        **record,
-                    }
-                )
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log(
+                {
+                    "step": self.step,
+                    "time": round(self._elapsed(), 3),
+                    "tokens": self.step * self.tokens_per_step,
+                    **record,
+                }
+            )
 
-        def evaluate() -> float:
-            nonlocal last_eval
-            loss = self._validation_loss()
-            last_eval = self.step
-            log({"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))})
-            return loss
+    def _log_train(self, loss: float, grad_norm: float) -> None:
+        """Log the interval that ends at this step, and start the next."""
+        tokens_per_s = self.interval.close(self.tokens_per_step)
+        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.dist.world_size) if self.peak else None
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._log(
+            {"train_loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu}
+        )
 
-        interval_loss = torch.zeros((), device=self.device)
-        interval_norm = torch.zeros((), device=self.device)
-        interval_steps, interval_start, paused = 0, time.perf_counter(), 0.0
+    def _evaluate(self) -> None:
+        loss = self._validation_loss()
+        self.final_val_loss, self.last_eval = loss, self.step
+        self._log({"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))})
 
-        def check_finite() -> tuple[float, float]:
-            """The mean loss and gradient norm since the last check; stops the run if either is not finite."""
-            loss = all_reduce(interval_loss / max(interval_steps, 1)).item()
-            norm = interval_norm.item() / max(interval_steps, 1)
-            if not (math.isfinite(loss) and math.isfinite(norm)):
-                kept = latest_checkpoint(self.run_dir)
-                raise ScratchlmError(
-                    f"training diverged: the {'loss' if not math.isfinite(loss) else 'gradient norm'} became "
-                    f"non-finite by step {self.step}; "
-                    + (f"the last good checkpoint is {kept}" if kept else "no checkpoint was written")
-                    + " (try a lower optimizer.lr or a longer schedule.warmup_iters)"
-                )
-            return loss, norm
+    def _maybe_stop(self, at_log: bool) -> bool:
+        """Whether to stop early, for Ctrl-C or the time budget. Several processes must agree, which they do
+        at log steps."""
+        if self.dist.enabled and not at_log:
+            return False
+        budget = self.config.training.max_time_s
+        stop = self.stop.requested or bool(budget and self._elapsed() > budget)
+        if self.dist.enabled:
+            stop = bool(all_reduce(torch.tensor(float(stop), device=self.device), "max").item())
+        if stop:
+            self.stopped = "interrupted" if self.stop.requested else "time budget"
+        return stop
 
-        try:
-            try:
-                with stop.installed():
-                    while self.step < self.total_steps:
-                        loss, grad_norm = self._train_step()
-                        interval_loss += loss
-                        interval_norm += grad_norm
-                        interval_steps += 1
+    def _save_after_abort(self) -> None:
+        """After a second Ctrl-C (or any KeyboardInterrupt), save the last completed step if it is sound."""
+        # (Several processes cannot agree on a checkpoint here; they stop together on Ctrl-C instead.)
+        if self.in_update or self.step == self.last_saved or self.dist.enabled:
+            return
+        if self.interval.steps:
+            self.interval.means(self.step, self.run_dir)
+        if (path := self._save()) is not None:
+            console.print(f"saved {path}; continue with --resume")
 
-                        at_log = self.step % config.logging.log_interval == 0 or self.step == self.total_steps
-                        at_eval = config.eval.interval and self.step % config.eval.interval == 0
-                        at_save = config.checkpoint.interval and self.step % config.checkpoint.interval == 0
-                        if at_log or at_save:
-                            final_train_loss, norm = check_finite()
-                        if at_log:
-                            now = time.perf_counter()
-                            tokens_per_s = (
-                                interval_steps
-                                * self.tokens_per_step
-                                / max(now - interval_start - paused, 1e-9)
-                            )
-                            mfu = (
-                                tokens_per_s * self.flops_per_token / (self.peak * self.dist.world_size)
-                                if self.peak
-                                else None
-                            )
-                            lr = self.optimizer.param_groups[0]["lr"]
-                            log(
-                                {
-                                    "train_loss": final_train_loss,
-                                    "lr": lr,
-                                    "grad_norm": norm,
-                                    "tokens_per_s": tokens_per_s,
-                                    "mfu": mfu,
-                                }
-                            )
-                            interval_loss.zero_()
-                            interval_norm.zero_()
-                            interval_steps, interval_start, paused = 0, now, 0.0
-                        pause_start = time.perf_counter()
-                        if at_eval and config.eval.iters:
-                            final_val_loss = evaluate()
-                        if at_save:
-                            self._save(elapsed())
-                            last_saved = self.step
-                        paused += time.perf_counter() - pause_start
+    def _end_session(self) -> None:
+        """The loop has ended: check the last steps, evaluate the model as it is now, save it."""
+        if self.interval.steps:
+            self.final_train_loss, _ = self.interval.means(self.step, self.run_dir)
+        if (
+            self.config.eval.iters
+            and self.step > self.start_step
+            and self.last_eval != self.step
+            and self.stopped != "interrupted"
+        ):
+            self._evaluate()
+        if self.step != self.last_saved:
+            self._save()
 
-                        # Reasons to stop early. Several processes must agree, which they do at log steps.
-                        if not self.dist.enabled or at_log:
-                            budget = config.training.max_time_s
-                            local = stop.requested or bool(budget and elapsed() > budget)
-                            if self.dist.enabled:
-                                local = bool(
-                                    all_reduce(torch.tensor(float(local), device=self.device), "max").item()
-                                )
-                            if local:
-                                stopped = "interrupted" if stop.requested else "time budget"
-                                break
-            except KeyboardInterrupt:
-                # (Several processes cannot agree on a checkpoint here; they stop together on Ctrl-C instead.)
-                if not self.in_update and self.step != last_saved and not self.dist.enabled:
-                    if interval_steps:
-                        check_finite()
-                    if (path := self._save(elapsed())) is not None:
-                        console.print(f"saved {path}; continue with --resume")
-                raise
-
-            if interval_steps:
-                final_train_loss, _ = check_finite()
-            if (
-                config.eval.iters
-                and self.step > start_step
-                and last_eval != self.step
-                and stopped != "interrupted"
-            ):
-                final_val_loss = evaluate()
-            if self.step != last_saved:
-                self._save(elapsed())
-        finally:
-            if logger is not None:
-                logger.close()
-        session_time = time.perf_counter() - session_start
-        summary = {
-            "run_dir": str(self.run_dir),
-            "steps": self.step,
-            "tokens": self.step * self.tokens_per_step,
-            "wall_time_s": elapsed(),
-            "final_train_loss": final_train_loss,
-            "final_val_loss": final_val_loss,
-            "tokens_per_s": (self.step - start_step) * self.tokens_per_step / session_time,
-            "parameters": self.model.num_parameters(),
-            "stopped": stopped,
-        }
-        if is_main:
+    def _finish(self) -> dict[str, Any]:
+        """Write and print the summary; an interrupted run then re-raises the Ctrl-C."""
+        session_time = time.perf_counter() - self.session_start
+        summary = self._summary(
+            wall_time_s=self._elapsed(),
+            tokens_per_s=(self.step - self.start_step) * self.tokens_per_step / session_time,
+        )
+        if self.dist.is_main:
             with atomic_write(self.run_dir / "summary.json", "w") as f:
                 json.dump(summary, f, indent=2)
             console.print(
-                f"{stopped} at step {self.step} after {format_seconds(summary['wall_time_s'])}: train loss "
-                f"{_fmt(final_train_loss)}, val loss {_fmt(final_val_loss)}; checkpoint in {self.run_dir / 'checkpoints'}"
-                + ("" if stopped == "finished" else " (continue with --resume)")
+                f"{self.stopped} at step {self.step} after {format_seconds(summary['wall_time_s'])}: train loss "
+                f"{_fmt(self.final_train_loss)}, val loss {_fmt(self.final_val_loss)}; "
+                f"checkpoint in {self.run_dir / 'checkpoints'}"
+                + ("" if self.stopped == "finished" else " (continue with --resume)")
             )
-        if stopped == "interrupted":
+        if self.stopped == "interrupted":
             raise KeyboardInterrupt
+        return summary
+
+    def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "wall_time_s": wall_time_s,
+            "final_train_loss": self.final_train_loss,
+            "final_val_loss": self.final_val_loss,
+            "tokens_per_s": tokens_per_s,
+            "parameters": self.model.num_parameters(),
+            "stopped": self.stopped,
+        }
+
+    def _already_finished(self) -> dict[str, Any]:
+        """A resumed run with no steps left is left as it is; its summary is the one it wrote when it ended
+        (or, if that is missing or from an earlier step, one without the losses, which were not kept)."""
+        path = self.run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        if summary is None or summary.get("steps") != self.step:
+            summary = self._summary(wall_time_s=self.elapsed_before, tokens_per_s=None)
+        if self.dist.is_main:
+            console.print(f"run already finished at step {self.step}: nothing to train in {self.run_dir}")
         return summary
 
 
