@@ -15,8 +15,46 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    # data
+    "build_corpus": "scratchlm.data.corpus",
+    "download_dataset": "scratchlm.data.download",
+    "prepare_data": "scratchlm.data.prepare",
     # tokenizer
     "train_bpe": "scratchlm.tokenizer.train",
+    "Tokenizer": "scratchlm.tokenizer.tokenizer",
+    # model
+    "ModelConfig": "scratchlm.model.config",
+    "Linear": "scratchlm.model.layers",
+    "Embedding": "scratchlm.model.layers",
+    "RMSNorm": "scratchlm.model.layers",
+    "SwiGLU": "scratchlm.model.layers",
+    "silu": "scratchlm.model.layers",
+    "softmax": "scratchlm.model.layers",
+    "scaled_dot_product_attention": "scratchlm.model.layers",
+    "RotaryPositionalEmbedding": "scratchlm.model.layers",
+    "MultiHeadSelfAttention": "scratchlm.model.layers",
+    "TransformerBlock": "scratchlm.model.transformer",
+    "TransformerLM": "scratchlm.model.transformer",
+    "KVCache": "scratchlm.model.kv_cache",
+    # training
+    "cross_entropy": "scratchlm.training.loss",
+    "SGD": "scratchlm.training.optim",
+    "AdamW": "scratchlm.training.optim",
+    "cosine_lr_schedule": "scratchlm.training.schedule",
+    "clip_grad_norm": "scratchlm.training.grad",
+    "get_batch": "scratchlm.training.data",
+    "load_tokens": "scratchlm.training.data",
+    "save_checkpoint": "scratchlm.training.checkpoint",
+    "load_checkpoint": "scratchlm.training.checkpoint",
+    "load_model": "scratchlm.training.checkpoint",
+    "TrainConfig": "scratchlm.training.config",
+    "train": "scratchlm.training.trainer",
+    "evaluate": "scratchlm.training.evaluate",
+    # generation and experiments
+    "generate": "scratchlm.generation.generate",
+    "generate_stream": "scratchlm.generation.generate",
+    "plot_runs": "scratchlm.experiments.plot",
+    "run_sweep": "scratchlm.experiments.sweep",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,7 +16,17 @@ from scratchlm.errors import ScratchlmError
 
 # command name -> module under scratchlm.cli, in the order a user meets them.
 COMMANDS: dict[str, str] = {
+    "quickstart": "quickstart",
+    "download": "download",
+    "prepare": "prepare",
     "train-tokenizer": "train_tokenizer",
+    "encode": "encode",
+    "train": "train",
+    "eval": "eval",
+    "generate": "generate",
+    "plot": "plot",
+    "sweep": "sweep",
+    "accounting": "accounting",
 }
 
 

@@ -27,7 +27,7 @@ def stdlib_root() -> Path:
 
 
 def stdlib_documents(include_tests: bool = False) -> Iterator[tuple[str, str]]:
-    """`(relative path, text)` of every UTF-8 `.py` file of the standard library, in a fixed order."""
+    """`(relative path, text)` of every non-empty UTF-8 `.py` file of the standard library, in a fixed order."""
     root = stdlib_root()
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
@@ -38,7 +38,7 @@ def stdlib_documents(include_tests: bool = False) -> Iterator[tuple[str, str]]:
             text = path.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError):
             continue  # a few test files are deliberately not UTF-8
-        if END_OF_TEXT not in text:
+        if text.strip() and END_OF_TEXT not in text:  # empty files (many `__init__.py`) are no documents
             yield relative, text
 
 
@@ -64,22 +64,26 @@ def build_corpus(
 ) -> Corpus:
     """Write `train.txt` and `valid.txt` (documents joined by `<|endoftext|>`) into `out_dir`.
 
-    `max_bytes` caps the training text (validation is capped at the same share of it), for small runs.
+    `max_bytes` caps the training file (validation is capped at the same share of it), for small runs.
     """
     out_dir = Path(out_dir)
     train_docs: list[str] = []
     valid_docs: list[str] = []
     train_bytes = valid_bytes = 0
     valid_cap = None if max_bytes is None else max(1, max_bytes * valid_percent // 100)
+    separator = len(END_OF_TEXT.encode("utf-8"))
     for relative, text in stdlib_documents(include_tests):
         size = len(text.encode("utf-8"))
         if is_validation(relative, valid_percent):
-            if valid_cap is None or valid_bytes + size <= valid_cap:
+            added = size + (separator if valid_docs else 0)
+            if valid_cap is None or valid_bytes + added <= valid_cap:
                 valid_docs.append(text)
-                valid_bytes += size
-        elif max_bytes is None or train_bytes + size <= max_bytes:
-            train_docs.append(text)
-            train_bytes += size
+                valid_bytes += added
+        else:
+            added = size + (separator if train_docs else 0)
+            if max_bytes is None or train_bytes + added <= max_bytes:
+                train_docs.append(text)
+                train_bytes += added
     for name, docs in (("train.txt", train_docs), ("valid.txt", valid_docs)):
         with atomic_write(out_dir / name, "w") as f:
             f.write(END_OF_TEXT.join(docs))

@@ -1,0 +1,36 @@
+"""`scratchlm quickstart`: from nothing to a model that writes text, in one command and without a download."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Train a tokenizer and a small model on the Python standard library's sources, evaluate and sample."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", default="runs/quickstart", metavar="DIR", help="output directory (default: runs/quickstart)"
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=5.0,
+        metavar="M",
+        help="training time of the model in minutes (default: 5)",
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="a tiny corpus, vocabulary and model: the whole pipeline in seconds",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps (default: auto)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from scratchlm.quickstart import quickstart
+
+    quickstart(args.out, minutes=args.minutes, small=args.small, device=args.device)

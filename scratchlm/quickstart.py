@@ -1,0 +1,322 @@
+"""The whole pipeline in one call, on a corpus every Python installation carries: no download needed.
+
+    corpus (stdlib sources) -> BPE tokenizer -> train.npy / valid.npy -> a small model trained for a time budget
+    -> its loss on the whole validation file -> samples -> loss-curve PNG -> summary
+
+Everything goes under one output directory:
+
+    OUT/corpus/       train.txt, valid.txt              (scratchlm.data.corpus)
+    OUT/data/         tokenizer/, train.npy, valid.npy  (scratchlm.data.prepare)
+    OUT/run/          config.toml, metrics.jsonl, checkpoints/, summary.json  (scratchlm.training)
+    OUT/schedule.json the number of steps that fit the time budget on this machine
+    OUT/loss.png      the learning curve
+    OUT/quickstart.json  the final figures
+
+Each stage reuses what an earlier run finished (every output is written atomically, so one that exists is
+whole): a second run skips straight to evaluation and samples, and an interrupted training run resumes from
+its last checkpoint.
+
+The validation loss is printed beside the unigram entropy of the validation tokens: the loss, in nats per
+token, of the best model that ignores context. The distance between the two is what the model learnt from
+context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scratchlm.allocator import keep_freed_memory
+from scratchlm.console import console, format_seconds
+from scratchlm.data.corpus import build_corpus
+from scratchlm.data.prepare import END_OF_TEXT, PreparedData, prepare_data
+from scratchlm.errors import ScratchlmError
+from scratchlm.experiments.plot import plot_runs
+from scratchlm.generation.generate import generate
+from scratchlm.io import atomic_write
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training.checkpoint import latest_checkpoint, load_model
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.distributed import resolve_device
+from scratchlm.training.evaluate import evaluate
+from scratchlm.training.trainer import train
+
+
+@dataclass(frozen=True)
+class QuickstartSize:
+    """How big each stage is."""
+
+    corpus_bytes: int | None  # cap on the training text; None: the whole standard library (~10 MB)
+    vocab_size: int
+    model: dict[str, Any]  # ModelConfig fields
+    batch_size: int
+    lr: float
+    warmup_iters: int
+    max_steps: int | None  # the schedule's length; None: as many steps as fit in the time budget
+    eval_interval: int
+    sample_tokens: int
+
+
+FULL = QuickstartSize(
+    corpus_bytes=None,
+    vocab_size=4096,
+    model={"context_length": 256, "d_model": 256, "num_layers": 4, "num_heads": 8, "rope_theta": 10_000.0},
+    batch_size=16,
+    lr=2e-3,
+    warmup_iters=30,
+    max_steps=None,
+    eval_interval=50,
+    sample_tokens=200,
+)
+# Seconds per stage: for tests and a first look at the output.
+SMALL = QuickstartSize(
+    corpus_bytes=300_000,
+    vocab_size=512,
+    model={"context_length": 64, "d_model": 64, "num_layers": 2, "num_heads": 4, "rope_theta": 10_000.0},
+    batch_size=16,
+    lr=3e-3,
+    warmup_iters=10,
+    max_steps=100,
+    eval_interval=50,
+    sample_tokens=40,
+)
+
+# Steps that measure the training speed when the schedule is sized to a time budget.
+CALIBRATION_STEPS = 20
+
+# No prompt ends in a space: BPE tokens carry their leading space (" os"), so a trailing one is a rare token.
+PROMPTS = ("import", "def read_config(path):\n", "class Stack:\n")
+
+
+def unigram_entropy(ids: np.ndarray) -> float:
+    """Entropy in nats of the token frequencies of `ids`: the loss of a model that ignores context."""
+    counts = np.bincount(np.asarray(ids, dtype=np.int64))
+    p = counts[counts > 0] / len(ids)
+    return float(-(p * np.log(p)).sum())
+
+
+def train_config(
+    size: QuickstartSize, data: PreparedData, run_dir: Path, seconds: float, device: str, max_steps: int
+) -> TrainConfig:
+    """The training configuration of the quickstart's model."""
+    return TrainConfig.from_dict(
+        {
+            "data": {"train": str(data.train), "valid": str(data.valid), "tokenizer": str(data.tokenizer)},
+            "model": {"vocab_size": size.vocab_size, **size.model},
+            "optimizer": {"lr": size.lr, "min_lr": size.lr / 10, "weight_decay": 0.1, "grad_clip": 1.0},
+            "schedule": {"warmup_iters": size.warmup_iters},
+            "training": {
+                "batch_size": size.batch_size,
+                "max_steps": max_steps,
+                "max_time_s": seconds,
+                "device": device,
+                "precision": "bf16",
+                # On a CPU (two cores, bf16) compiled steps measured no faster than eager ones, and compiling
+                # costs tens of seconds of a budget of minutes; on a GPU it pays for itself many times over.
+                "compile": device.startswith("cuda"),
+                "seed": 0,
+            },
+            "eval": {"interval": size.eval_interval, "iters": 5},
+            "checkpoint": {"interval": 100},
+            "logging": {"run_dir": str(run_dir), "log_interval": 5},
+        }
+    )
+
+
+@dataclass(frozen=True)
+class QuickstartResult:
+    out_dir: str
+    corpus: str
+    tokenizer: str
+    train_tokens: int
+    valid_tokens: int
+    run_dir: str
+    loss_curve: str
+    steps: int
+    training_seconds: float
+    tokens_per_s: float
+    val_loss: float
+    val_perplexity: float
+    unigram_entropy: float
+    wall_seconds: float
+
+
+def quickstart(
+    out_dir: str | Path = "runs/quickstart", minutes: float = 5.0, small: bool = False, device: str = "auto"
+) -> QuickstartResult:
+    """Build the corpus, tokenizer and token files, train for `minutes`, evaluate, sample and plot."""
+    if not minutes > 0:
+        raise ScratchlmError(f"--minutes must be positive, got {minutes}")
+    device = str(resolve_device(device))
+    if device == "cpu":
+        keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
+    started = time.perf_counter()
+    size = SMALL if small else FULL
+    out_dir = Path(out_dir)
+
+    data = build_data(out_dir, size)
+    train_ids, valid_ids = np.load(data.train, mmap_mode="r"), np.load(data.valid, mmap_mode="r")
+    console.print(f"train {len(train_ids):,} tokens, valid {len(valid_ids):,} tokens")
+
+    _stage(3, f"training (at most {format_seconds(minutes * 60)})")
+    run_dir = out_dir / "run"
+    summary = train_within_budget(size, data, run_dir, minutes * 60, device, out_dir / "schedule.json")
+
+    _stage(4, "validation loss on the whole validation file")
+    model, _ = load_model(run_dir, device=device)
+    result = evaluate(model, valid_ids, show_progress=True)
+    entropy = unigram_entropy(valid_ids)
+    console.print(
+        f"loss {result.loss:.4f} nats/token (perplexity {result.perplexity:.1f}); unigram entropy {entropy:.4f}"
+    )
+
+    _stage(5, "samples (temperature 0.8, top-p 0.95)")
+    tokenizer = Tokenizer.from_dir(data.tokenizer)
+    eos = tokenizer.token_id(END_OF_TEXT)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for prompt in PROMPTS:
+        new_ids = generate(
+            model,
+            tokenizer.encode(prompt),
+            size.sample_tokens,
+            temperature=0.8,
+            top_p=0.95,
+            eos_id=eos,
+            generator=generator,
+        )
+        ended = bool(new_ids) and new_ids[-1] == eos
+        console.rule(f"prompt {prompt!r}")
+        console.print(prompt + tokenizer.decode(new_ids[:-1] if ended else new_ids), markup=False)
+        if ended:
+            console.print("[dim](end of document)[/]")
+    console.rule()
+
+    _stage(6, "loss curve")
+    loss_curve = out_dir / "loss.png"
+    plot_runs([run_dir], loss_curve, labels=["quickstart"])
+    console.print(f"wrote {loss_curve}")
+
+    quick = QuickstartResult(
+        out_dir=str(out_dir),
+        corpus=str(out_dir / "corpus"),
+        tokenizer=str(data.tokenizer),
+        train_tokens=len(train_ids),
+        valid_tokens=len(valid_ids),
+        run_dir=str(run_dir),
+        loss_curve=str(loss_curve),
+        steps=int(summary["steps"]),
+        training_seconds=float(summary["wall_time_s"]),
+        tokens_per_s=summary["tokens"] / summary["wall_time_s"],
+        val_loss=result.loss,
+        val_perplexity=result.perplexity,
+        unigram_entropy=entropy,
+        wall_seconds=time.perf_counter() - started,
+    )
+    with atomic_write(out_dir / "quickstart.json", "w") as f:
+        json.dump(asdict(quick), f, indent=2)
+    _print_summary(quick)
+    return quick
+
+
+def build_data(out_dir: Path, size: QuickstartSize) -> PreparedData:
+    """Stages 1 and 2: the corpus in `out_dir/corpus`, the tokenizer and token ids in `out_dir/data`."""
+    _stage(1, "corpus: the Python standard library's sources")
+    corpus_dir = out_dir / "corpus"
+    train_text, valid_text = corpus_dir / "train.txt", corpus_dir / "valid.txt"
+    if train_text.exists() and valid_text.exists():
+        console.print(f"reusing {corpus_dir}")
+    else:
+        corpus = build_corpus(corpus_dir, max_bytes=size.corpus_bytes)
+        console.print(f"{corpus.train_documents:,} training files, {corpus.valid_documents:,} held-out files")
+    console.print(
+        f"train {train_text.stat().st_size / 1e6:.1f} MB, valid {valid_text.stat().st_size / 1e6:.2f} MB "
+        f"(files joined by {END_OF_TEXT})"
+    )
+    _stage(2, f"tokenizer ({size.vocab_size:,} tokens) and token ids")
+    return prepare_data(train_text, valid_text, out_dir / "data", size.vocab_size)
+
+
+def train_within_budget(
+    size: QuickstartSize, data: PreparedData, run_dir: Path, seconds: float, device: str, schedule_file: Path
+) -> dict[str, Any]:
+    """Train (or resume, or reuse) the quickstart's model; returns the run's summary.
+
+    A cosine schedule needs a step count, a time budget gives seconds, and how many steps fit depends on the
+    machine. So when `size.max_steps` is None the run is made in two parts: the first `CALIBRATION_STEPS`
+    steps (inside the warm-up, whose learning rate does not depend on the run's length) measure this
+    machine's speed, then the run resumes with the schedule sized to the steps that fit in the rest of the
+    budget, recorded in `schedule_file`. The time budget stays a hard limit across both parts.
+    """
+    if size.max_steps is not None:
+        total = size.max_steps
+    elif schedule_file.exists():
+        total = json.loads(schedule_file.read_text())["max_steps"]
+    else:
+        assert size.warmup_iters >= CALIBRATION_STEPS, "the measured steps must lie inside the warm-up"
+        config = train_config(size, data, run_dir, seconds, device, CALIBRATION_STEPS)
+        console.print(f"{CALIBRATION_STEPS} steps to measure this machine's speed")
+        measured = train(config, resume=latest_checkpoint(run_dir) is not None)
+        total = steps_that_fit(run_dir, measured, seconds, size.batch_size * size.model["context_length"])
+        with atomic_write(schedule_file, "w") as f:
+            json.dump({"max_steps": total}, f)
+        console.print(
+            f"the rest of the budget fits {total - measured['steps']:,} more steps: {total:,} in all"
+        )
+    summary_file = run_dir / "summary.json"
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+        if summary["steps"] >= total or summary["stopped"] == "time budget":
+            console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
+            return summary
+    resume = latest_checkpoint(run_dir) is not None
+    return train(train_config(size, data, run_dir, seconds, device, total), resume=resume)
+
+
+def steps_that_fit(run_dir: Path, measured: dict[str, Any], seconds: float, tokens_per_step: int) -> int:
+    """The total step count that fills `seconds`, at the speed measured after the first logging interval
+    (which includes start-up work such as compilation), less the start-up time the resumed run spends again."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
+    if not rates:
+        return measured["steps"]
+    steps_per_s = float(np.median(rates)) / tokens_per_step
+    startup = max(0.0, measured["wall_time_s"] - measured["steps"] / steps_per_s)
+    # 5 % for the periodic validation estimates and checkpoints, which the rate above leaves out.
+    remaining = seconds - measured["wall_time_s"] - startup
+    return measured["steps"] + max(0, int(0.95 * remaining * steps_per_s))
+
+
+def _stage(number: int, title: str) -> None:
+    console.rule(f"[bold]{number}/6  {title}", align="left")
+
+
+def _print_summary(result: QuickstartResult) -> None:
+    rows = [
+        ("corpus", result.corpus),
+        ("tokenizer", result.tokenizer),
+        ("token ids", f"{result.train_tokens:,} train / {result.valid_tokens:,} valid"),
+        ("run", f"{result.run_dir} (config, metrics, checkpoints)"),
+        ("loss curve", result.loss_curve),
+        (
+            "training",
+            f"{result.steps:,} steps in {format_seconds(result.training_seconds)}, "
+            f"{result.tokens_per_s:,.0f} tokens/s",
+        ),
+        ("validation loss", f"{result.val_loss:.4f} nats/token (perplexity {result.val_perplexity:.2f})"),
+        ("unigram entropy", f"{result.unigram_entropy:.4f} nats/token (a model that ignores context)"),
+        ("total time", format_seconds(result.wall_seconds)),
+    ]
+    console.rule("[bold]summary", align="left")
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        # One line per figure, never cut: paths are meant to be copied.
+        console.print(f"{name:<{width}}  {value}", markup=False, soft_wrap=True)
+    if not math.isfinite(result.val_loss):
+        console.print("[red]the validation loss is not finite: training diverged[/]")

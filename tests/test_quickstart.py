@@ -1,0 +1,128 @@
+"""`scratchlm quickstart --small`: the whole pipeline end to end, every artifact checked, and a second run that
+reuses what the first one built."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scratchlm.cli import main
+from scratchlm.data.corpus import END_OF_TEXT
+from scratchlm.quickstart import SMALL, unigram_entropy
+from scratchlm.tokenizer.serialization import load_tokenizer_files
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training.checkpoint import list_checkpoints, load_model
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("quickstart")
+    # One thread: this tiny model gains nothing from two, and when test processes share the cores, threads
+    # that wait for each other are what makes a CPU run slow.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["quickstart", "--small", "--out", str(out)]) == 0
+        yield out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_corpus_is_stdlib_source_split_into_documents(out: Path) -> None:
+    train = (out / "corpus" / "train.txt").read_text(encoding="utf-8")
+    valid = (out / "corpus" / "valid.txt").read_text(encoding="utf-8")
+    assert 0 < len(train.encode()) <= SMALL.corpus_bytes
+    assert train.count(END_OF_TEXT) >= 5 and valid
+    assert "def " in train and "import " in train
+    assert all(document.strip() for document in train.split(END_OF_TEXT))  # no empty documents
+    assert not set(train.split(END_OF_TEXT)) & set(
+        valid.split(END_OF_TEXT)
+    )  # held-out files are not in train
+
+
+def test_tokenizer_and_token_files(out: Path) -> None:
+    data = out / "data"
+    vocab, merges, special = load_tokenizer_files(data / "tokenizer")
+    assert len(vocab) == SMALL.vocab_size and len(merges) == SMALL.vocab_size - 257
+    assert special == [END_OF_TEXT]
+    tokenizer = Tokenizer.from_dir(data / "tokenizer")
+    for split in ("train", "valid"):
+        ids = np.load(data / f"{split}.npy", mmap_mode="r")
+        assert ids.dtype == np.uint16 and ids.ndim == 1
+        assert int(ids.max()) < SMALL.vocab_size
+        # The ids are the text, whole: decoding gives back the corpus file byte for byte.
+        assert tokenizer.decode(ids.tolist()) == (out / "corpus" / f"{split}.txt").read_text(encoding="utf-8")
+    valid = np.load(data / "valid.npy")
+    assert int((valid == tokenizer.token_id(END_OF_TEXT)).sum()) == (out / "corpus" / "valid.txt").read_text(
+        encoding="utf-8"
+    ).count(END_OF_TEXT)
+
+
+def test_training_run_and_loss_went_down(out: Path) -> None:
+    run = out / "run"
+    assert (run / "config.toml").is_file()
+    assert list_checkpoints(run)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["train_loss"] for r in records if "train_loss" in r]
+    val_losses = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(train_losses) >= 3 and val_losses
+    assert train_losses[0] > math.log(SMALL.vocab_size) - 0.5  # starts near uniform guessing
+    assert train_losses[-1] < train_losses[0] - 1.0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == SMALL.max_steps
+
+
+def test_reported_validation_loss_matches_an_independent_evaluation(out: Path) -> None:
+    """Recompute the whole-file loss with torch's cross_entropy over the same consecutive windows."""
+    report = json.loads((out / "quickstart.json").read_text())
+    model, _ = load_model(out / "run")
+    ids = torch.from_numpy(np.load(out / "data" / "valid.npy").astype(np.int64))
+    context = model.config.context_length
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, context):
+            window = ids[start : start + context + 1]
+            logits = model(window[:-1].unsqueeze(0))[0]
+            total += F.cross_entropy(logits.float(), window[1:], reduction="sum").item()
+    assert report["val_loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-4)
+    assert report["val_loss"] < math.log(SMALL.vocab_size) - 1.0  # learnt something beyond uniform guessing
+    assert report["valid_tokens"] == len(ids)
+
+
+def test_unigram_entropy_against_a_direct_count(out: Path) -> None:
+    report = json.loads((out / "quickstart.json").read_text())
+    ids = np.load(out / "data" / "valid.npy").tolist()
+    counts = Counter(ids)
+    expected = -sum(c / len(ids) * math.log(c / len(ids)) for c in counts.values())
+    assert report["unigram_entropy"] == pytest.approx(expected, rel=1e-9)
+    assert unigram_entropy(np.array([3, 3, 5, 5])) == pytest.approx(math.log(2))
+
+
+def test_loss_curve_png(out: Path) -> None:
+    png = (out / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
+
+
+def test_second_run_reuses_everything(out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kept = [
+        out / "corpus" / "train.txt",
+        out / "data" / "tokenizer" / "merges.txt",
+        out / "data" / "train.npy",
+    ]
+    kept += list_checkpoints(out / "run") + [out / "run" / "metrics.jsonl"]
+    before = {path: path.stat().st_mtime_ns for path in kept}
+    first = json.loads((out / "quickstart.json").read_text())
+    capsys.readouterr()
+    assert main(["quickstart", "--small", "--out", str(out)]) == 0
+    assert {path: path.stat().st_mtime_ns for path in kept} == before
+    err = capsys.readouterr().err
+    assert "reusing the finished model" in err
+    assert json.loads((out / "quickstart.json").read_text())["val_loss"] == pytest.approx(first["val_loss"])
