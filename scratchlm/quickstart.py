@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
 from scratchlm.data.corpus import build_corpus
 from scratchlm.data.prepare import END_OF_TEXT, PreparedData, prepare_data
@@ -155,8 +154,6 @@ def quickstart(
     if not minutes > 0:
         raise ScratchlmError(f"--minutes must be positive, got {minutes}")
     device = str(resolve_device(device))
-    if device == "cpu":
-        keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
     started = time.perf_counter()
     size = SMALL if small else FULL
     out_dir = Path(out_dir)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
@@ -112,6 +113,7 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
         # (measured: 2.8 s vs 0.26 s for clip + AdamW per bf16 step); flushing them to zero costs nothing.
         torch.set_flush_denormal(True)
+        keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
     try:
         return _Run(config, dist_info, device, resume).run()
     finally:
