@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scratchlm import AdamW, ModelConfig, TransformerLM, clip_grad_norm, cross_entropy
+from scratchlm.allocator import keep_freed_memory
 from scratchlm.model.accounting import train_step_flops
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -164,7 +165,9 @@ def main() -> None:
 
     device = torch.device(args.device)
     if device.type == "cpu":
+        # The CPU settings `scratchlm train` applies, for both sides alike (see scratchlm.allocator).
         torch.set_flush_denormal(True)
+        keep_freed_memory()
     config = ModelConfig(
         vocab_size=args.vocab,
         context_length=args.context,
