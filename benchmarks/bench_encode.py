@@ -12,6 +12,7 @@ Targets: `Tokenizer.encode` >= 0.5x tiktoken; `scratchlm encode` >= 1.0x; peak m
 
     python benchmarks/bench_encode.py                       # corpus built (or reused) in /tmp/scratchlm-bench-encode
     python benchmarks/bench_encode.py --fixtures ../shared/fixtures --workers 2
+    python benchmarks/bench_encode.py --text big.txt             # any UTF-8 file, e.g. to see start-up amortised
 """
 
 from __future__ import annotations
@@ -71,9 +72,14 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, default=None, help="workers of `scratchlm encode` (default: all)"
     )
+    parser.add_argument(
+        "--text", type=Path, default=None, help="a UTF-8 text file to encode instead of the stdlib corpus"
+    )
     args = parser.parse_args()
 
-    corpus = args.out / "corpus" / "train.txt"
+    if args.text is not None and not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file")
+    corpus = args.text or args.out / "corpus" / "train.txt"
     if not corpus.exists():
         build_corpus(args.out / "corpus", include_tests=True)
     text = corpus.read_bytes().decode("utf-8")

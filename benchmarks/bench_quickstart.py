@@ -1,7 +1,7 @@
 """The quickstart's model trained by scratchlm and by a torch.nn reference, same data, same budget.
 
 Both trainers get the quickstart's token files, tokenizer and hyperparameters (model shape, batch, AdamW,
-cosine schedule with warm-up, gradient clipping, bf16 autocast, torch.compile on a GPU only) and the same
+cosine schedule with warm-up, gradient clipping, bf16 autocast, torch.compile) and the same
 wall-clock training budget; each final model is evaluated on every token of the validation file with the same
 consecutive windows. The reference is written with the built-ins scratchlm re-implements: nn.Linear,
 nn.Embedding, nn.RMSNorm, F.scaled_dot_product_attention, F.silu, F.cross_entropy, torch.optim.AdamW,

@@ -130,10 +130,11 @@ def _format(record: dict[str, Any], total_steps: int) -> str:
     head = f"step {record['step']:>{len(str(total_steps))}}/{total_steps}"
     if "val_loss" in record:
         return f"{head} │ [bold]val loss {record['val_loss']:.4f}[/] │ val ppl {record['val_ppl']:.2f}"
-    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    # MFU is left out where the device's peak is unknown (CPUs, unless logging.peak_tflops says it).
+    mfu = "" if record["mfu"] is None else f" │ mfu {record['mfu']:.1%}"
     return (
         f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {record['grad_norm']:.3f}"
-        f" │ {record['tokens_per_s']:,.0f} tok/s │ mfu {mfu}"
+        f" │ {record['tokens_per_s']:,.0f} tok/s{mfu}"
     )
 
 
