@@ -129,7 +129,7 @@ def main() -> None:
         sys.exit(f"scratchlm encode failed:\n{finished.stderr}")
     if np.load(output, mmap_mode="r").tolist() != reference:
         sys.exit("MISMATCH: the ids of `scratchlm encode` differ from tiktoken's")
-    peak = float(re.search(r"peak memory (\d+) MB", finished.stderr).group(1))
+    peak = float(re.search(r"peak memory ([\d,]+)\s+MB", finished.stderr).group(1).replace(",", ""))
     workers = int(re.search(r"(\d+) worker", finished.stderr).group(1))
     file_rate = size_mb / file_s
     # With the machine to itself the command would take about its CPU time spread over its workers.

@@ -16,7 +16,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console(stderr=True, highlight=False)
+# Lines are never wrapped: logs and summaries stay one line each in files and pipes (width 80 there).
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def progress(transient: bool = False, counter: bool = False) -> Progress:
