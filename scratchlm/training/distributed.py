@@ -72,8 +72,13 @@ def init_distributed(device: torch.device) -> tuple[Distributed, torch.device]:
     return info, device
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(finished: bool) -> None:
+    """Tear down the process group. After a normal finish every process first waits for the others (rank 0
+    may still be writing the final checkpoint): a Gloo process that destroys its group while a peer still
+    uses it aborts. After an error there is no waiting, since a failed peer would never arrive."""
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -114,10 +114,13 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         # (measured: 2.8 s vs 0.26 s for clip + AdamW per bf16 step); flushing them to zero costs nothing.
         torch.set_flush_denormal(True)
         keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
+    finished = False
     try:
-        return _Run(config, dist_info, device, resume).run()
+        summary = _Run(config, dist_info, device, resume).run()
+        finished = True
+        return summary
     finally:
-        shutdown_distributed()
+        shutdown_distributed(finished)
 
 
 class _Interval:
