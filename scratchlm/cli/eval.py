@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from scratchlm.cli.model_source import add_model_source_arguments
+
 HELP = "Evaluate a trained model on a whole token file (.npy): loss and perplexity."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
-    source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
+    add_model_source_arguments(parser)
     parser.add_argument(
         "--data", required=True, metavar="FILE", help="token file (.npy), e.g. data/valid.npy"
     )
     parser.add_argument("--batch-size", type=int, default=32, help="windows per forward pass (default 32)")
     parser.add_argument(
         "--context-length", type=int, default=None, help="window length (default: the model's context length)"
-    )
-    parser.add_argument(
-        "--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, ... (default auto)"
     )
 
 

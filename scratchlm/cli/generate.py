@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 
+from scratchlm.cli.model_source import add_model_source_arguments
+
 HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
-    source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
+    add_model_source_arguments(parser)
     parser.add_argument(
         "--prompt", default="", help="text to continue (default: none, i.e. start a new document)"
     )
@@ -36,9 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         metavar="DIR",
         help="tokenizer directory (default: the one recorded in the training config)",
-    )
-    parser.add_argument(
-        "--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, ... (default auto)"
     )
     parser.add_argument(
         "--no-cache",
