@@ -52,6 +52,21 @@ def test_forward_flops_equal_torch_flop_counter(config, batch, seq):
     assert acc.forward_flops(config, seq, batch) == counter.get_total_flops()
 
 
+def test_causal_attention_skips_exactly_the_hidden_score_blocks():
+    """The formulas count the whole score matrix; the model computes it by blocks of 64 queries, each against
+    the keys up to its last query. With 150 tokens: 64 x 64, 64 x 128 and 22 x 150 (query, key) pairs."""
+    config = ModelConfig(vocab_size=97, context_length=160, d_model=32, num_layers=2, num_heads=4, d_ff=48)
+    batch, seq = 2, 150
+    model = TransformerLM.from_config(config)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (batch, seq)))
+    skipped_pairs = seq * seq - (64 * 64 + 64 * 128 + 22 * 150)
+    # Q Kᵀ and P V each cost 2 · d_k FLOPs per (query, key) pair and head: 2 · d_model over the heads.
+    skipped = config.num_layers * batch * 2 * (2 * config.d_model) * skipped_pairs
+    assert counter.get_total_flops() == acc.forward_flops(config, seq, batch) - skipped
+
+
 def test_gpt2_xl_by_hand():
     xl = acc.GPT2_PRESETS["gpt2-xl"]
     V, L, d, n, d_ff, h = 50_257, 1_024, 1_600, 48, 6_400, 25

@@ -19,7 +19,7 @@ from scratchlm import (
     softmax,
 )
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.layers import SiLUFeedForward
+from scratchlm.model.layers import SiLUFeedForward, causal_attention
 
 
 def gen(seed: int) -> torch.Generator:
@@ -169,6 +169,29 @@ def test_attention_gradients_match_torch_with_mask_and_broadcast_keys():
         (q, k, v),
     )
     for got, want in zip(ours, expected, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64, 500])
+@pytest.mark.parametrize("cached", [0, 37])
+def test_causal_attention_by_blocks_matches_torch_with_gradients(block_size, cached):
+    """150 queries (blocks of every size, the last one partial) after `cached` earlier keys, as when
+    generating with a KV cache; keys and values shared by the heads, so that their gradients are summed."""
+    queries, keys = 150, 150 + cached
+    q = torch.randn(2, 3, queries, 8, generator=gen(30), dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, keys, 8, generator=gen(31), dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 1, keys, 4, generator=gen(32), dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 3, queries, 4, generator=gen(33), dtype=torch.float64)
+    mask = torch.arange(cached, keys)[:, None] >= torch.arange(keys)[None, :]
+    out = causal_attention(q, k, v, block_size=block_size)
+    expected = F.scaled_dot_product_attention(
+        q, k.expand(2, 3, keys, 8), v.expand(2, 3, keys, 4), attn_mask=mask
+    )
+    torch.testing.assert_close(out, expected)
+    ours = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    theirs = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for got, want in zip(ours, theirs, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want)
 

@@ -64,6 +64,18 @@ def test_gradient_matches_torch():
     base = torch.randn(4, 9, 13, generator=g)
     targets = torch.randint(0, 13, (4, 9), generator=g)
     ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+    # Scaled, as the trainer scales each micro-batch's loss by 1 / grad_accum.
+    (cross_entropy(ours, targets) / 3).backward()
+    (reference(theirs, targets) / 3).backward()
+    torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_gradient_of_bfloat16_logits_is_bfloat16_and_computed_in_float32():
+    g = torch.Generator().manual_seed(5)
+    base = (torch.randn(32, 1000, generator=g) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 1000, (32,), generator=g)
+    ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
     cross_entropy(ours, targets).backward()
     reference(theirs, targets).backward()
+    assert ours.grad.dtype == torch.bfloat16
     torch.testing.assert_close(ours.grad, theirs.grad)

@@ -70,6 +70,20 @@ def test_logits_and_gradients_match_reference(name):
         torch.testing.assert_close(ours[key].grad, param.grad, atol=2e-5, rtol=1e-3, msg=key)
 
 
+def test_long_sequences_attend_by_blocks_and_match_reference():
+    """150 tokens: causal attention runs in several blocks of queries (the last one partial)."""
+    model = tiny_model(context_length=160)
+    reference = reference_from(model)
+    tokens, targets = ids(2, 150), ids(2, 150, seed=2)
+    logits, expected = model(tokens), reference(tokens)
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(expected.flatten(0, 1), targets.flatten()).backward()
+    ours = dict(model.named_parameters())
+    for key, param in reference.named_parameters():
+        torch.testing.assert_close(ours[key].grad, param.grad, atol=2e-5, rtol=1e-3, msg=key)
+
+
 def test_ablations_change_the_state_dict_as_expected():
     keys = {name: set(tiny_model(**changes).state_dict()) for name, changes in ABLATIONS.items()}
     assert "ln_final.weight" not in keys["post-norm"] and "layers.0.ln1.weight" in keys["post-norm"]
@@ -131,11 +145,16 @@ def test_initial_loss_is_close_to_uniform():
         assert abs(loss.item() - torch.log(torch.tensor(97.0)).item()) < 0.6
 
 
-def test_compiles_without_graph_breaks_and_matches_eager():
-    model = tiny_model(num_layers=1)
+@pytest.mark.parametrize("seq", [8, 150])
+def test_compiles_without_graph_breaks_and_matches_eager(seq):
+    model = tiny_model(num_layers=1, context_length=160)
     compiled = torch.compile(model, fullgraph=True)
-    tokens = ids(2, 8)
-    torch.testing.assert_close(compiled(tokens), model(tokens), atol=1e-5, rtol=1e-4)
+    tokens = ids(2, seq)
+    logits, expected = compiled(tokens), model(tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    (grads,) = torch.autograd.grad(logits.square().mean(), [model.layers[0].attn.k_proj.weight])
+    (expected_grads,) = torch.autograd.grad(expected.square().mean(), [model.layers[0].attn.k_proj.weight])
+    torch.testing.assert_close(grads, expected_grads, atol=1e-6, rtol=1e-4)
 
 
 def test_bf16_autocast_runs_close_to_float32_with_float32_statistics():

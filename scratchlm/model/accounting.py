@@ -95,7 +95,10 @@ def forward_matmuls(config: ModelConfig, seq_len: int | None = None, batch_size:
     """Every matmul of one forward pass over `batch_size` sequences of `seq_len` tokens (default: the
     context length), in the order they run. Projections multiply all `batch · seq` token vectors by a weight
     matrix; attention runs per sequence and head: `Q Kᵀ` is `(seq × d_k)(d_k × seq)` and the weighted sum
-    `(seq × seq)(seq × d_k)`, i.e. quadratic in the sequence length."""
+    `(seq × seq)(seq × d_k)`, i.e. quadratic in the sequence length. These are the model's FLOPs as the
+    handout counts them, the whole score matrix included; `causal_attention` computes only the blocks of it
+    that the causal mask leaves visible (about `(1 + 64 / seq) / 2` of it). MFU figures computed from this
+    count include the skipped part, as is the usual convention."""
     seq = config.context_length if seq_len is None else seq_len
     d, d_ff, d_k, layers = config.d_model, config.d_ff, config.head_dim, config.num_layers
     tokens, heads = batch_size * seq, batch_size * config.num_heads * layers
