@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "silu": "scratchlm.model.layers",
     "softmax": "scratchlm.model.layers",
     "scaled_dot_product_attention": "scratchlm.model.layers",
+    "causal_attention": "scratchlm.model.layers",
     "RotaryPositionalEmbedding": "scratchlm.model.layers",
     "MultiHeadSelfAttention": "scratchlm.model.layers",
     "TransformerBlock": "scratchlm.model.transformer",

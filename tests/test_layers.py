@@ -14,12 +14,13 @@ from scratchlm import (
     RMSNorm,
     RotaryPositionalEmbedding,
     SwiGLU,
+    causal_attention,
     scaled_dot_product_attention,
     silu,
     softmax,
 )
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.layers import SiLUFeedForward, causal_attention
+from scratchlm.model.layers import SiLUFeedForward
 
 
 def gen(seed: int) -> torch.Generator:

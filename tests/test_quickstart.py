@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from scratchlm.cli import main
 from scratchlm.data.corpus import END_OF_TEXT
-from scratchlm.quickstart import SMALL, unigram_entropy
+from scratchlm.quickstart import SMALL, steps_that_fit, unigram_entropy
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.checkpoint import list_checkpoints, load_model
@@ -126,3 +126,16 @@ def test_second_run_reuses_everything(out: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "reusing the finished model" in err
     assert json.loads((out / "quickstart.json").read_text())["val_loss"] == pytest.approx(first["val_loss"])
+
+
+def test_steps_that_fit_the_budget_at_the_measured_speed(tmp_path: Path) -> None:
+    # The first interval (compilation) is left out; after it, 1,000 tokens/s at 100 tokens a step: 10 steps/s.
+    rates = [50.0, 1_000.0, 990.0, 1_000.0, 1_010.0]
+    records = [{"step": 5 * (i + 1), "tokens_per_s": rate} for i, rate in enumerate(rates)]
+    records.append({"step": 25, "val_loss": 5.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    measured = {"steps": 25, "wall_time_s": 30.0}
+    # 70 s left, 92 % of them for training steps: 644 more.
+    assert steps_that_fit(tmp_path, measured, 100.0, 100) == 25 + 644
+    # A budget already spent adds no steps.
+    assert steps_that_fit(tmp_path, measured, 20.0, 100) == 25
