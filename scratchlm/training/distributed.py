@@ -10,6 +10,7 @@ process is rank 0 of a world of one and none of this machinery is used.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -75,10 +76,14 @@ def init_distributed(device: torch.device) -> tuple[Distributed, torch.device]:
 def shutdown_distributed(finished: bool) -> None:
     """Tear down the process group. After a normal finish every process first waits for the others (rank 0
     may still be writing the final checkpoint): a Gloo process that destroys its group while a peer still
-    uses it aborts. After an error there is no waiting, since a failed peer would never arrive."""
+    uses it aborts. After an error there is no waiting, since a failed peer would never arrive.
+
+    The training objects are collected first: DistributedDataParallel's reducer holds the group's pending
+    work, and freed only at interpreter exit, after the group, it can make Gloo's threads abort the process."""
     if dist.is_available() and dist.is_initialized():
         if finished:
             dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 
