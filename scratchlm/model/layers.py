@@ -265,11 +265,11 @@ def _query_blocks(num_queries: int, num_keys: int, block_size: int | None) -> li
     all of them without a block size; with one, causally, queries being the last `num_queries` positions."""
     if block_size is None:
         return [(0, num_queries, num_keys)]
-    offset = num_keys - num_queries
-    return [
-        (start, min(start + block_size, num_queries), offset + min(start + block_size, num_queries))
-        for start in range(0, num_queries, block_size)
-    ]
+    blocks = []
+    for start in range(0, num_queries, block_size):
+        stop = min(start + block_size, num_queries)
+        blocks.append((start, stop, num_keys - num_queries + stop))
+    return blocks
 
 
 def _sum_over_blocks(per_block: list[Tensor], blocks: list[tuple[int, int, int]]) -> Tensor:
@@ -373,8 +373,9 @@ class MultiHeadSelfAttention(nn.Module):
         if self.rope is not None:
             if token_positions is None:
                 # Query i of the `seq` new tokens is token `keys - seq + i` of the key sequence.
-                key_index = torch.arange(k.shape[-2], device=x.device)
-                q, k = self.rope(q, key_index[k.shape[-2] - q.shape[-2] :]), self.rope(k, key_index)
+                num_keys = k.shape[-2]
+                key_index = torch.arange(num_keys, device=x.device)
+                q, k = self.rope(q, key_index[num_keys - q.shape[-2] :]), self.rope(k, key_index)
             else:
                 positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
                 q, k = self.rope(q, positions), self.rope(k, positions)
