@@ -39,7 +39,7 @@ from scratchlm.quickstart import (
     train_within_budget,
     unigram_entropy,
 )
-from scratchlm.training.checkpoint import load_model
+from scratchlm.run import load_model
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.evaluate import evaluate
 from scratchlm.training.schedule import cosine_lr_schedule
@@ -234,7 +234,7 @@ def main() -> None:
         )
 
     entropy = unigram_entropy(valid)
-    ours_tokens_per_s = summary["tokens"] / summary["wall_time_s"]
+    ours_tokens_per_s = summary.tokens / summary.wall_time_s
     mode = "side by side" if args.concurrent else "one after the other"
     print(
         f"\nsame data ({len(valid):,} validation tokens), same hyperparameters, {args.seconds:.0f} s of training each"
@@ -244,7 +244,7 @@ def main() -> None:
     )
     print("| trainer | steps | tokens/s (with compilation) | validation loss (nats/token, whole file) |")
     print("| --- | ---: | ---: | ---: |")
-    print(f"| scratchlm | {summary['steps']:,} | {ours_tokens_per_s:,.0f} | {ours:.4f} |")
+    print(f"| scratchlm | {summary.steps:,} | {ours_tokens_per_s:,.0f} | {ours:.4f} |")
     print(f"| torch.nn reference | {ref_steps:,} | {ref_tokens_per_s:,.0f} | {theirs:.4f} |")
     print(f"unigram entropy of the validation tokens: {entropy:.4f} nats/token")
     print(

@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     # tokenizer
     "train_bpe": "scratchlm.tokenizer.train",
     "Tokenizer": "scratchlm.tokenizer.tokenizer",
+    "END_OF_TEXT": "scratchlm.tokenizer",
     # model
     "ModelConfig": "scratchlm.model.config",
     "Linear": "scratchlm.model.layers",
@@ -47,10 +48,21 @@ _EXPORTS: dict[str, str] = {
     "load_tokens": "scratchlm.training.data",
     "save_checkpoint": "scratchlm.training.checkpoint",
     "load_checkpoint": "scratchlm.training.checkpoint",
-    "load_model": "scratchlm.training.checkpoint",
+    "build_optimizer": "scratchlm.training.optim",
+    "parameter_groups": "scratchlm.training.optim",
     "TrainConfig": "scratchlm.training.config",
     "train": "scratchlm.training.trainer",
     "evaluate": "scratchlm.training.evaluate",
+    # the run directory: summary, metrics, checkpoints, loading a trained model with its tokenizer
+    "RunDirectory": "scratchlm.run",
+    "RunSummary": "scratchlm.run",
+    "StopReason": "scratchlm.run",
+    "read_metrics": "scratchlm.run",
+    "load_model": "scratchlm.run",
+    "load_trained": "scratchlm.run",
+    "TrainedModel": "scratchlm.run",
+    "ScratchlmError": "scratchlm.errors",
+    "DivergedError": "scratchlm.errors",
     # generation and experiments
     "generate": "scratchlm.generation.generate",
     "generate_stream": "scratchlm.generation.generate",

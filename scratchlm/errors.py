@@ -8,3 +8,19 @@ traceback; any other exception is a bug and keeps its traceback.
 
 class ScratchlmError(Exception):
     """A user-facing error: bad input, bad configuration, missing or malformed files."""
+
+
+class DivergedError(ScratchlmError):
+    """Training stopped because the loss or the gradient norm became non-finite (NaN or infinite).
+
+    `quantity` is "loss" or "gradient norm", `step` the step by which it happened, `checkpoint` the newest
+    checkpoint written before it (None when there is none): a sweep records the run as diverged and goes on.
+    """
+
+    def __init__(self, quantity: str, step: int, checkpoint: str | None) -> None:
+        self.quantity, self.step, self.checkpoint = quantity, step, checkpoint
+        kept = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+        super().__init__(
+            f"training diverged: the {quantity} became non-finite by step {step}; {kept} "
+            "(try a lower optimizer.lr or a longer schedule.warmup_iters)"
+        )

@@ -35,15 +35,15 @@ import torch
 
 from scratchlm.console import console, format_seconds
 from scratchlm.data.corpus import build_corpus
-from scratchlm.data.prepare import END_OF_TEXT, PreparedData, prepare_data
+from scratchlm.data.prepare import PreparedData, prepare_data
+from scratchlm.device import resolve_device
 from scratchlm.errors import ScratchlmError
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.generation.generate import generate
 from scratchlm.io import atomic_write
-from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.checkpoint import latest_checkpoint, load_model
+from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
+from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.distributed import resolve_device
 from scratchlm.training.evaluate import evaluate
 from scratchlm.training.trainer import train
 
@@ -170,7 +170,8 @@ def quickstart(
     summary = train_within_budget(size, data, run_dir, minutes * 60, device, out_dir / "schedule.json")
 
     _stage(4, "validation loss on the whole validation file")
-    model, _ = load_model(run_dir, device=device)
+    trained = load_trained(run_dir, device=device, tokenizer=data.tokenizer)
+    model, tokenizer = trained.model, trained.tokenizer
     result = evaluate(model, valid_ids, show_progress=True)
     entropy = unigram_entropy(valid_ids)
     console.print(
@@ -178,7 +179,6 @@ def quickstart(
     )
 
     _stage(5, "samples (temperature 0.8, top-p 0.95)")
-    tokenizer = Tokenizer.from_dir(data.tokenizer)
     eos = tokenizer.token_id(END_OF_TEXT)
     generator = torch.Generator(device=device).manual_seed(0)
     for prompt in PROMPTS:
@@ -211,9 +211,9 @@ def quickstart(
         valid_tokens=len(valid_ids),
         run_dir=str(run_dir),
         loss_curve=str(loss_curve),
-        steps=int(summary["steps"]),
-        training_seconds=float(summary["wall_time_s"]),
-        tokens_per_s=summary["tokens"] / summary["wall_time_s"],
+        steps=summary.steps,
+        training_seconds=summary.wall_time_s,
+        tokens_per_s=summary.tokens / summary.wall_time_s,
         val_loss=result.loss,
         val_perplexity=result.perplexity,
         unigram_entropy=entropy,
@@ -245,7 +245,7 @@ def build_data(out_dir: Path, size: QuickstartSize) -> PreparedData:
 
 def train_within_budget(
     size: QuickstartSize, data: PreparedData, run_dir: Path, seconds: float, device: str, schedule_file: Path
-) -> dict[str, Any]:
+) -> RunSummary:
     """Train (or resume, or reuse) the quickstart's model; returns the run's summary.
 
     A cosine schedule needs a step count, a time budget gives seconds, and how many steps fit depends on the
@@ -254,6 +254,7 @@ def train_within_budget(
     machine's speed, then the run resumes with the schedule sized to the steps that fit in the rest of the
     budget, recorded in `schedule_file`. The time budget stays a hard limit across both parts.
     """
+    run = RunDirectory(run_dir)
     if size.max_steps is not None:
         total = size.max_steps
     elif schedule_file.exists():
@@ -262,39 +263,35 @@ def train_within_budget(
         assert size.warmup_iters >= CALIBRATION_STEPS, "the measured steps must lie inside the warm-up"
         config = train_config(size, data, run_dir, seconds, device, CALIBRATION_STEPS)
         console.print(f"{CALIBRATION_STEPS} steps to measure this machine's speed")
-        measured = train(config, resume=latest_checkpoint(run_dir) is not None)
+        measured = train(config, resume=run.latest_checkpoint() is not None)
         total = steps_that_fit(run_dir, measured, seconds, size.batch_size * size.model["context_length"])
         with atomic_write(schedule_file, "w") as f:
             json.dump({"max_steps": total}, f)
-        console.print(
-            f"the rest of the budget fits {total - measured['steps']:,} more steps: {total:,} in all"
-        )
-    summary_file = run_dir / "summary.json"
-    if summary_file.exists():
-        summary = json.loads(summary_file.read_text())
-        if summary["steps"] >= total or summary["stopped"] == "time budget":
-            console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
-            return summary
-    resume = latest_checkpoint(run_dir) is not None
+        console.print(f"the rest of the budget fits {total - measured.steps:,} more steps: {total:,} in all")
+    summary = run.summary()
+    if summary is not None and (summary.steps >= total or summary.stopped is StopReason.TIME_BUDGET):
+        console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
+        return summary
+    resume = run.latest_checkpoint() is not None
     return train(train_config(size, data, run_dir, seconds, device, total), resume=resume)
 
 
-def steps_that_fit(run_dir: Path, measured: dict[str, Any], seconds: float, tokens_per_step: int) -> int:
+def steps_that_fit(run_dir: Path, measured: RunSummary, seconds: float, tokens_per_step: int) -> int:
     """The total step count that fills `seconds`, at the speed measured after the first logging interval
     (which includes start-up work such as compilation).
 
     The resumed run does not pay the calibration's start-up again: it runs in the same process, where
     torch.compile finds its graphs already compiled (a second or two). Should it run slower than planned, the
     time budget still stops it, a few steps before the end of its schedule."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_metrics(run_dir)
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
     if not rates:
-        return measured["steps"]
+        return measured.steps
     steps_per_s = float(np.median(rates)) / tokens_per_step
     # 8 % for what the rate above leaves out: the periodic validation estimates, checkpoints, the resumed
     # run's start-up, and a machine that runs a little slower than it did while measured.
-    remaining = seconds - measured["wall_time_s"]
-    return measured["steps"] + max(0, int(0.92 * remaining * steps_per_s))
+    remaining = seconds - measured.wall_time_s
+    return measured.steps + max(0, int(0.92 * remaining * steps_per_s))
 
 
 def _stage(number: int, title: str) -> None:

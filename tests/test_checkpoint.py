@@ -1,5 +1,6 @@
-"""save_checkpoint / load_checkpoint / latest_checkpoint / load_model."""
+"""save_checkpoint / load_checkpoint / RunDirectory's checkpoints / load_model."""
 
+import argparse
 import io
 
 import pytest
@@ -9,7 +10,10 @@ from scratchlm import AdamW, cross_entropy, load_checkpoint, load_model, save_ch
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.training.checkpoint import checkpoint_path, latest_checkpoint, prune_checkpoints
+from scratchlm.run import RunDirectory
+from scratchlm.training.checkpoint import read_checkpoint
+from scratchlm.training.config import OptimizerConfig
+from scratchlm.training.optim import build_optimizer
 
 CONFIG = ModelConfig(vocab_size=64, context_length=8, d_model=16, num_layers=2, num_heads=2)
 SPEC_KEYS = {
@@ -99,12 +103,13 @@ def test_extra_entries_are_kept(tmp_path):
 
 
 def test_latest_and_pruning(tmp_path):
-    assert latest_checkpoint(tmp_path) is None
+    run = RunDirectory(tmp_path)
+    assert run.latest_checkpoint() is None
     model, optimizer = model_and_optimizer()
     for step in (5, 40, 100, 7):
-        save_checkpoint(model, optimizer, step, checkpoint_path(tmp_path, step))
-    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_00000100.pt"
-    prune_checkpoints(tmp_path, 2)
+        save_checkpoint(model, optimizer, step, run.checkpoint(step))
+    assert run.latest_checkpoint() == tmp_path / "checkpoints" / "step_00000100.pt"
+    run.prune_checkpoints(2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_00000040.pt",
         "step_00000100.pt",
@@ -114,10 +119,10 @@ def test_latest_and_pruning(tmp_path):
 def test_load_model_from_a_run_directory(tmp_path):
     model, optimizer = model_and_optimizer()
     train_steps(model, optimizer, 2, seed=3)
-    save_checkpoint(model, optimizer, 1, checkpoint_path(tmp_path, 1))
+    save_checkpoint(model, optimizer, 1, RunDirectory(tmp_path).checkpoint(1))
     train_steps(model, optimizer, 1, seed=4)
     save_checkpoint(
-        model, optimizer, 2, checkpoint_path(tmp_path, 2), train_config={"data": {"tokenizer": "t"}}
+        model, optimizer, 2, RunDirectory(tmp_path).checkpoint(2), train_config={"data": {"tokenizer": "t"}}
     )
     loaded, train_config = load_model(tmp_path)
     assert not loaded.training
@@ -133,7 +138,7 @@ def test_errors_name_the_file(tmp_path):
     with pytest.raises(ScratchlmError, match=r"missing\.pt not found"):
         load_checkpoint(tmp_path / "missing.pt", model)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ScratchlmError, match=r"junk\.pt could not be read"):
+    with pytest.raises(ScratchlmError, match=r"junk\.pt is not a scratchlm checkpoint"):
         load_checkpoint(tmp_path / "junk.pt", model)
     with pytest.raises(ScratchlmError, match="has no checkpoints"):
         load_model(tmp_path)
@@ -143,3 +148,53 @@ def test_errors_name_the_file(tmp_path):
     save_checkpoint(other, AdamW(other.parameters()), 0, tmp_path / "other.pt")
     with pytest.raises(ScratchlmError, match="does not fit the model"):
         load_checkpoint(tmp_path / "other.pt", model)
+
+
+@pytest.mark.parametrize("kind", ["empty", "objects", "truncated", "directory"])
+def test_an_unreadable_checkpoint_is_one_line_naming_the_file(tmp_path, kind):
+    """An empty file, a torch file of arbitrary Python objects (which `weights_only` refuses with several
+    lines of advice), a truncated checkpoint and a directory: each is one line that names the file and says
+    what is wrong."""
+    path = tmp_path / "bad.pt"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "objects":
+        torch.save(argparse.Namespace(model={}), path)
+    elif kind == "truncated":
+        model, optimizer = model_and_optimizer()
+        save_checkpoint(model, optimizer, 1, path)
+        path.write_bytes(path.read_bytes()[:-200])
+    else:
+        path.mkdir()
+    with pytest.raises(ScratchlmError) as error:
+        read_checkpoint(path)
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message
+    expected = {"empty": "is empty", "objects": "not a scratchlm checkpoint", "truncated": "could not be read",
+                "directory": "is not a file"}[kind]  # fmt: skip
+    assert expected in message and not message.endswith(": ")
+
+
+def test_a_checkpoint_of_one_parameter_group_resumes_into_the_grouped_optimizer(tmp_path):
+    """Checkpoints written before parameters were grouped by role hold one AdamW group of all parameters; their
+    moments must land on the same parameters of the grouped optimizer, and both must then take the same step."""
+    model, flat = model_and_optimizer()
+    train_steps(model, flat, 3, seed=5)
+    save_checkpoint(model, flat, 3, tmp_path / "old.pt")
+    restored = TransformerLM.from_config(model.config)
+    config = OptimizerConfig(
+        lr=flat.defaults["lr"],
+        weight_decay=flat.defaults["weight_decay"],
+        betas=flat.defaults["betas"],
+        eps=flat.defaults["eps"],
+    )
+    grouped = build_optimizer(config, restored)
+    assert len(grouped.param_groups) > 1
+    load_checkpoint(tmp_path / "old.pt", restored, grouped)
+    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+        torch.testing.assert_close(flat.state[p]["m"], grouped.state[q]["m"], rtol=0, atol=0)
+        torch.testing.assert_close(flat.state[p]["v"], grouped.state[q]["v"], rtol=0, atol=0)
+    train_steps(model, flat, 1, seed=6)
+    train_steps(restored, grouped, 1, seed=6)
+    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

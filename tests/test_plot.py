@@ -11,7 +11,8 @@ import pytest
 
 from scratchlm.cli import main
 from scratchlm.errors import ScratchlmError
-from scratchlm.experiments.plot import plot_runs, read_metrics
+from scratchlm.experiments.plot import plot_runs
+from scratchlm.run import read_metrics
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.cli import main
-from scratchlm.data.corpus import END_OF_TEXT
+from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.quickstart import SMALL, steps_that_fit, unigram_entropy
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.checkpoint import list_checkpoints, load_model
+from scratchlm.run import RunDirectory, RunSummary, StopReason, load_model
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_tokenizer_and_token_files(out: Path) -> None:
 def test_training_run_and_loss_went_down(out: Path) -> None:
     run = out / "run"
     assert (run / "config.toml").is_file()
-    assert list_checkpoints(run)
+    assert RunDirectory(run).checkpoints()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_losses = [r["train_loss"] for r in records if "train_loss" in r]
     val_losses = [r["val_loss"] for r in records if "val_loss" in r]
@@ -117,7 +117,7 @@ def test_second_run_reuses_everything(out: Path, capsys: pytest.CaptureFixture[s
         out / "data" / "tokenizer" / "merges.txt",
         out / "data" / "train.npy",
     ]
-    kept += list_checkpoints(out / "run") + [out / "run" / "metrics.jsonl"]
+    kept += RunDirectory(out / "run").checkpoints() + [out / "run" / "metrics.jsonl"]
     before = {path: path.stat().st_mtime_ns for path in kept}
     first = json.loads((out / "quickstart.json").read_text())
     capsys.readouterr()
@@ -134,7 +134,7 @@ def test_steps_that_fit_the_budget_at_the_measured_speed(tmp_path: Path) -> None
     records = [{"step": 5 * (i + 1), "tokens_per_s": rate} for i, rate in enumerate(rates)]
     records.append({"step": 25, "val_loss": 5.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    measured = {"steps": 25, "wall_time_s": 30.0}
+    measured = RunSummary(str(tmp_path), 25, 25 * 100, 30.0, None, None, None, 0, StopReason.TIME_BUDGET)
     # 70 s left, 92 % of them for training steps: 644 more.
     assert steps_that_fit(tmp_path, measured, 100.0, 100) == 25 + 644
     # A budget already spent adds no steps.

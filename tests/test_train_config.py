@@ -80,6 +80,28 @@ def test_bad_values_name_the_key_and_the_expectation(override, message):
         TrainConfig.load(None, [*REQUIRED, override])
 
 
+def test_an_override_error_names_the_override_not_the_file(tmp_path):
+    path = write(tmp_path, "[data]\ntrain = 'a.npy'\nvalid = 'b.npy'\n[training]\nmax_steps = 1\n")
+    with pytest.raises(ScratchlmError) as error:
+        TrainConfig.load(path, ["optimizer.lr=fast"])
+    assert str(error.value).startswith("--set optimizer.lr=fast: optimizer.lr must be a number")
+    assert str(path) not in str(error.value)
+    with pytest.raises(ScratchlmError, match=r"^--set model\.colour=1: unknown key"):
+        TrainConfig.load(path, ["model.colour=1"])
+    # A check across keys that an override breaks names both sources.
+    with pytest.raises(ScratchlmError, match=r"config\.toml with --set overrides: set exactly one of"):
+        TrainConfig.load(path, ["training.max_tokens=100"])
+
+
+def test_a_config_path_that_is_a_directory_or_not_utf8_is_one_line(tmp_path):
+    with pytest.raises(ScratchlmError, match=r"config file .* is a directory; expected a TOML file"):
+        TrainConfig.load(tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("[data]\ntrain = 'caf\u00e9.npy'\n".encode("latin-1"))
+    with pytest.raises(ScratchlmError, match=r"latin1\.toml is not UTF-8 text \(byte 19\)"):
+        TrainConfig.load(latin1)
+
+
 def test_data_files_are_required():
     with pytest.raises(ScratchlmError, match=r"data\.train is required"):
         TrainConfig.load(None, ["training.max_steps=1"])

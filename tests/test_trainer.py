@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from scratchlm import AdamW, cross_entropy, train
+from scratchlm.run import RunSummary, StopReason
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
@@ -91,10 +92,11 @@ def test_run_directory_contents(tmp_path):
     config = small_config(tmp_path)
     summary = train(config)
     run_dir = tmp_path / "run"
-    assert summary["steps"] == 12 and summary["tokens"] == 12 * 8 * 16
-    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    assert summary.steps == 12 and summary.tokens == 12 * 8 * 16
+    assert json.loads((run_dir / "summary.json").read_text()) == summary.to_dict()
+    assert RunSummary.read(run_dir / "summary.json") == summary and summary.stopped is StopReason.FINISHED
     for key in ("run_dir", "wall_time_s", "final_train_loss", "final_val_loss", "tokens_per_s"):
-        assert summary[key] is not None
+        assert getattr(summary, key) is not None
     assert TrainConfig.from_dict(tomllib.loads((run_dir / "config.toml").read_text())) == config
     train_records = records(run_dir, "train_loss")
     assert [r["step"] for r in train_records] == list(range(1, 13))
@@ -113,7 +115,7 @@ def test_run_directory_contents(tmp_path):
     eval_records = records(run_dir, "val_loss")
     assert [r["step"] for r in eval_records] == [4, 8, 12]
     assert eval_records[-1]["val_ppl"] == pytest.approx(np.exp(eval_records[-1]["val_loss"]))
-    assert summary["final_val_loss"] == eval_records[-1]["val_loss"]
+    assert summary.final_val_loss == eval_records[-1]["val_loss"]
     assert train_records[-1]["train_loss"] < train_records[0]["train_loss"] - 0.3  # it learns
     # the last K = 2 checkpoints are kept, with everything a generator needs
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -129,7 +131,7 @@ def test_resume_continues_bit_for_bit(tmp_path):
     half = small_config(tmp_path, "resumed", **grad_accum).replace(training={"max_steps": 6})
     train(half)
     summary = train(small_config(tmp_path, "resumed", **grad_accum), resume=True)
-    assert summary["steps"] == 12
+    assert summary.steps == 12
     assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"))
     straight, resumed = (
         records(tmp_path / "straight", "train_loss"),
@@ -148,7 +150,7 @@ def test_resuming_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):
     again = train(config, resume=True)
     assert "run already finished" in capsys.readouterr().err
     assert again == summary
-    assert math.isfinite(again["final_train_loss"]) and math.isfinite(again["final_val_loss"])
+    assert math.isfinite(again.final_train_loss) and math.isfinite(again.final_val_loss)
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == files
 
 
@@ -219,7 +221,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 
 def test_time_budget_stops_with_a_checkpoint(tmp_path):
     summary = train(small_config(tmp_path, training={"max_time_s": 1e-6}))
-    assert summary["stopped"] == "time budget" and summary["steps"] == 1
+    assert summary.stopped is StopReason.TIME_BUDGET and summary.steps == 1
     assert (tmp_path / "run" / "checkpoints" / "step_00000001.pt").exists()
 
 
@@ -243,4 +245,4 @@ def test_an_optional_logger_that_is_not_installed_is_a_clear_error(tmp_path, mon
 
 def test_bf16_autocast_trains(tmp_path):
     summary = train(small_config(tmp_path, training={"max_steps": 4, "precision": "bf16", "device": "cpu"}))
-    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
+    assert math.isfinite(summary.final_train_loss) and math.isfinite(summary.final_val_loss)

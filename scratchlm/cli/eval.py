@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.model_source import add_model_source_arguments
+from scratchlm.cli.options import add_model_source_arguments, load_model_source
 
 HELP = "Evaluate a trained model on a whole token file (.npy): loss and perplexity."
 
@@ -24,12 +24,10 @@ def run(args: argparse.Namespace) -> None:
     import time
 
     from scratchlm.console import console
-    from scratchlm.training.checkpoint import load_model
     from scratchlm.training.data import load_tokens
-    from scratchlm.training.distributed import resolve_device
     from scratchlm.training.evaluate import evaluate
 
-    model, _ = load_model(args.run or args.checkpoint, device=resolve_device(args.device))
+    model = load_model_source(args).model
     tokens = load_tokens(args.data, model.config.vocab_size, 1)
     start = time.perf_counter()
     result = evaluate(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.model_source import add_model_source_arguments
+from scratchlm.cli.options import add_model_source_arguments, load_model_source
 
 HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
 
@@ -48,38 +48,32 @@ def run(args: argparse.Namespace) -> None:
     import codecs
     import sys
     import time
-    from pathlib import Path
 
     import torch
 
     from scratchlm.console import console
     from scratchlm.errors import ScratchlmError
     from scratchlm.generation.generate import generate_stream
-    from scratchlm.tokenizer.tokenizer import Tokenizer
-    from scratchlm.training.checkpoint import load_model
-    from scratchlm.training.distributed import resolve_device
+    from scratchlm.generation.sampling import check_sampling_options
+    from scratchlm.tokenizer import END_OF_TEXT
 
+    # Every option is checked before anything is loaded or printed.
+    check_sampling_options(args.temperature, args.top_p, args.top_k, prefix="--")
     if args.num_samples < 1:
         raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
-    device = resolve_device(args.device)
-    model, train_config = load_model(args.run or args.checkpoint, device=device)
-    tokenizer_dir = args.tokenizer or train_config.get("data", {}).get("tokenizer")
-    if not tokenizer_dir:
-        raise ScratchlmError("the checkpoint records no tokenizer directory; pass --tokenizer DIR")
-    if not Path(tokenizer_dir).is_dir():
-        raise ScratchlmError(f"tokenizer directory {tokenizer_dir} not found; pass --tokenizer DIR")
-    tokenizer = Tokenizer.from_dir(tokenizer_dir)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ScratchlmError(
-            f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model only "
-            f"{model.config.vocab_size}: they do not belong together (pass the run's --tokenizer)"
-        )
-    eos_id = tokenizer.token_id("<|endoftext|>") if "<|endoftext|>" in tokenizer.special_tokens else None
+    if args.max_new_tokens < 0:
+        raise ScratchlmError(f"--max-new-tokens must be at least 0, got {args.max_new_tokens}")
+    trained = load_model_source(args, tokenizer=args.tokenizer)
+    model, tokenizer = trained.model, trained.tokenizer
+    if tokenizer is None:
+        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    device = next(model.parameters()).device
+    eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         if eos_id is None:
             raise ScratchlmError(
-                "give a --prompt: the tokenizer has no <|endoftext|> to start a document with"
+                f"give a --prompt: the tokenizer has no {END_OF_TEXT} to start a document with"
             )
         prompt_ids = [eos_id]  # an empty prompt starts a fresh document, as after a document boundary
     generator = torch.Generator(device=device)
@@ -116,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         seconds = time.perf_counter() - start
-        ending = "<|endoftext|>" if count and token == eos_id else "token budget"
+        ending = END_OF_TEXT if count and token == eos_id else "token budget"
         console.print(
             f"[dim]{count} tokens in {seconds:.2f} s: {count / max(seconds, 1e-9):.1f} tokens/s (stopped at {ending})[/]"
         )

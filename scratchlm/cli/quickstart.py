@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from scratchlm.cli.options import add_device_argument
+
 HELP = "Train a tokenizer and a small model on the Python standard library's sources, evaluate and sample."
 
 
@@ -23,11 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a tiny corpus, vocabulary and model: the whole pipeline in seconds",
     )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps (default: auto)",
-    )
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from scratchlm.cli.options import add_set_argument
+
 HELP = "Train one run per combination of --set values; write a results table (markdown) and loss curves."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="base TOML training config")
-    parser.add_argument(
-        "--set",
+    add_set_argument(
+        parser,
         dest="axes",
         metavar="SECTION.KEY=V1,V2,...",
-        action="append",
-        default=[],
         help="values of one key, one run each (repeatable: the grid of all combinations); a single value "
         "overrides the key for every run",
     )

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import argparse
 
+from scratchlm.cli.options import add_set_argument
+
 HELP = "Train a Transformer language model on token files (.npy), as a TOML config says."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config (e.g. configs/tiny.toml)")
-    parser.add_argument(
-        "--set",
+    add_set_argument(
+        parser,
         dest="overrides",
         metavar="SECTION.KEY=VALUE",
-        action="append",
-        default=[],
         help="override one config key, e.g. --set optimizer.lr=3e-4 --set training.device=cpu (repeatable)",
     )
     parser.add_argument(

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scratchlm.io import atomic_write
+from scratchlm.tokenizer import END_OF_TEXT
 
-END_OF_TEXT = "<|endoftext|>"
 # Parts of the standard library that are test suites or vendored code rather than library source.
 TEST_DIRS = {"test", "tests", "idle_test", "lib2to3", "idlelib", "site-packages"}
 

@@ -22,12 +22,12 @@ from scratchlm.console import console, format_seconds
 from scratchlm.data.download import DATASETS
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
+from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.encode_file import encode_file
 from scratchlm.tokenizer.serialization import load_tokenizer_files, save_tokenizer
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train import train_bpe
 
-END_OF_TEXT = "<|endoftext|>"
 # The specification's vocabulary size for each downloadable dataset.
 VOCAB_SIZES = {"tinystories": 10_000, "owt-sample": 32_000}
 

@@ -6,14 +6,12 @@ solid line with markers, its training loss the faint line behind it. Points whos
 diverged run) are left out and the run's label says "diverged"; the loss axis is capped a little above the
 runs' typical initial loss, so one run that blew up does not flatten the others into a line.
 
-A metrics file is read line by line, one JSON object per line; a reader takes the records that have the key it
-plots ("train_loss" or "val_loss"). An unterminated last line is a record still being written by a running
-training and is skipped, so a run can be plotted while it trains.
+The metrics are read by `scratchlm.run.read_metrics`, which skips a record still being written, so a run can
+be plotted while it trains; each curve takes the records that have its key ("train_loss" or "val_loss").
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -22,35 +20,10 @@ from typing import Any
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
+from scratchlm.run.metrics import read_metrics
 
-METRICS_FILE = "metrics.jsonl"
 # loss key in metrics.jsonl -> curve name
 CURVES = {"train_loss": "train", "val_loss": "val"}
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of `run_dir/metrics.jsonl` (or of a metrics file given directly), in file order."""
-    path = Path(run_dir)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise ScratchlmError(f"no metrics file at {path} (is {run_dir} a training run directory?)")
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):  # no newline after it: a record still being appended
-                break
-            raise ScratchlmError(f"{path}:{number}: not a JSON record ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ScratchlmError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-        records.append(record)
-    return records
 
 
 def loss_curves(records: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:

@@ -37,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.console import console, format_seconds
-from scratchlm.errors import ScratchlmError
+from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.io import atomic_write
+from scratchlm.run.summary import StopReason
 
 SWEEP_FILE = "sweep.json"
+DIVERGED = "diverged"  # a run's status in sweep.json when training raised DivergedError
 TABLE_FILE = "results.md"
 PLOT_FILE = "curves.png"
 
@@ -174,7 +176,7 @@ def run_sweep(
     `axes` are `--set` strings (`"optimizer.lr=1e-3,3e-3"`); see `build_grid` for the modes.
     """
     from scratchlm.experiments.plot import plot_runs
-    from scratchlm.training.checkpoint import latest_checkpoint
+    from scratchlm.run import RunDirectory
     from scratchlm.training.config import TrainConfig
     from scratchlm.training.trainer import train
 
@@ -190,22 +192,19 @@ def run_sweep(
     outcomes: dict[str, dict[str, Any]] = _read_json(status_path) if status_path.exists() else {}
 
     for index, (run, config) in enumerate(zip(runs, configs, strict=True), start=1):
-        run_dir = out_dir / run.name
-        summary_path = run_dir / "summary.json"
+        run_dir = RunDirectory(out_dir / run.name)
         # An interrupted run writes its summary too, but it still has steps to train.
-        summary = _read_json(summary_path) if summary_path.exists() else None
-        if summary is not None and summary.get("stopped") != "interrupted":
-            outcomes[run.name] = {"status": summary.get("stopped", "finished"), "summary": summary}
-        elif outcomes.get(run.name, {}).get("status") != "diverged":
+        summary = run_dir.summary()
+        if summary is not None and summary.stopped is not StopReason.INTERRUPTED:
+            outcomes[run.name] = {"status": summary.stopped.value, "summary": summary.to_dict()}
+        elif outcomes.get(run.name, {}).get("status") != DIVERGED:
             console.rule(f"[bold]run {index}/{len(runs)}: {run.name}")
             try:
-                summary = train(config, resume=latest_checkpoint(run_dir) is not None)
-                outcomes[run.name] = {"status": summary.get("stopped", "finished"), "summary": summary}
-            except ScratchlmError as e:
-                if "diverged" not in str(e):
-                    raise
-                console.print(f"[yellow]{run.name}: {e}; going on with the sweep[/]")
-                outcomes[run.name] = {"status": "diverged", "error": str(e)}
+                summary = train(config, resume=run_dir.latest_checkpoint() is not None)
+                outcomes[run.name] = {"status": summary.stopped.value, "summary": summary.to_dict()}
+            except DivergedError as e:
+                console.print(f"{run.name}: {e}; going on with the sweep", style="yellow", markup=False)
+                outcomes[run.name] = {"status": DIVERGED, "quantity": e.quantity, "step": e.step}
         with atomic_write(status_path, "w") as f:
             json.dump(outcomes, f, indent=2)
 
@@ -216,13 +215,13 @@ def run_sweep(
     with atomic_write(out_dir / TABLE_FILE, "w") as f:
         f.write(results_table(rows))
     plotted = [(out_dir / run.name, row) for run, row in zip(runs, rows, strict=True)]
-    plotted = [(d, row) for d, row in plotted if (d / "metrics.jsonl").exists()]
+    plotted = [(d, row) for d, row in plotted if RunDirectory(d).metrics.exists()]
     if plotted:
         plot_runs(
             [d for d, _ in plotted],
             out_dir / PLOT_FILE,
             labels=[
-                row["run"] + (" (diverged)" if row["status"] == "diverged" else "") for _, row in plotted
+                row["run"] + (f" ({DIVERGED})" if row["status"] == DIVERGED else "") for _, row in plotted
             ],
             title=name,
         )
@@ -234,9 +233,10 @@ def _row(run: SweepRun, outcome: dict[str, Any], vocab_size: int) -> dict[str, A
     """A table row. A run whose loss became non-finite is "diverged"; one that ended above ln(vocab_size), the
     loss of the uniform distribution, gets a note: it is no better than a model that has learnt nothing."""
     row: dict[str, Any] = {"run": run.name, "settings": dict(run.varied), "status": outcome["status"]}
-    if outcome["status"] == "diverged":
-        found = re.search(r"the (.+?) became non-finite by step (\d+)", outcome.get("error", ""))
-        row["note"] = f"non-finite {found[1]} by step {found[2]}" if found else "non-finite loss"
+    if outcome["status"] == DIVERGED:
+        # (sweeps written by earlier versions kept only the error message)
+        step = f" by step {outcome['step']}" if "step" in outcome else ""
+        row["note"] = f"non-finite {outcome.get('quantity', 'loss')}{step}"
         return row
     summary = outcome["summary"]
     for key in ("steps", "tokens", "wall_time_s", "final_train_loss", "final_val_loss", "tokens_per_s"):
@@ -244,7 +244,7 @@ def _row(run: SweepRun, outcome: dict[str, Any], vocab_size: int) -> dict[str, A
     losses = [row[k] for k in ("final_train_loss", "final_val_loss") if row[k] is not None]
     uniform = math.log(vocab_size)
     if not all(_finite(loss) for loss in losses):
-        row["status"], row["note"] = "diverged", "non-finite loss"
+        row["status"], row["note"] = DIVERGED, "non-finite loss"
     elif losses and losses[-1] > uniform:
         row["note"] = f"ended above ln {vocab_size} = {uniform:.2f}: no better than uniform"
     return row

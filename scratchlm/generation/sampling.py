@@ -25,14 +25,23 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.layers import softmax
 
 
-def check_sampling_options(temperature: float, top_p: float, top_k: int | None) -> None:
-    """Raise `ScratchlmError` for settings outside their ranges (negative temperature, p outside (0, 1], k < 1)."""
+def check_sampling_options(temperature: float, top_p: float, top_k: int | None, prefix: str = "") -> None:
+    """Raise `ScratchlmError` for settings outside their ranges (negative temperature, p outside (0, 1], k < 1).
+    `prefix` goes before the names in the message (`--` for the command line's `--top-p`)."""
+
+    def name(option: str) -> str:
+        return prefix + option.replace("_", "-") if prefix else option
+
     if not (temperature >= 0 and temperature != float("inf")):
-        raise ScratchlmError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        raise ScratchlmError(
+            f"{name('temperature')} must be a finite number >= 0 (0 = greedy), got {temperature!r}"
+        )
     if not 0 < top_p <= 1:
-        raise ScratchlmError(f"top_p must be in (0, 1], got {top_p!r}")
+        raise ScratchlmError(f"{name('top_p')} must be in (0, 1], got {top_p!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ScratchlmError(f"top_k must be a positive integer (or None for no limit), got {top_k!r}")
+        raise ScratchlmError(
+            f"{name('top_k')} must be a positive integer (or None for no limit), got {top_k!r}"
+        )
 
 
 def top_k_filter(logits: Float[Tensor, "... vocab"], k: int) -> Float[Tensor, "... vocab"]:

@@ -11,9 +11,10 @@ over the last `window` tokens; in deeper ones the cached keys and values of laye
 when older tokens were still visible, so they carry information from beyond the window (the receptive field
 grows by a window per layer), and the logits differ from a forward pass over the last `window` tokens alone.
 
-Keys are stored *before* the RoPE rotation and the window is rotated from position 0 on every call. A RoPE
-score depends only on the distance between two tokens, so this gives the same scores as absolute positions
-would, and the positions never leave the RoPE table however long the generation runs.
+Keys are stored *before* the position encoding (`ModelConfig.positions`), and the attention layer encodes the
+whole window on every call with positions counted from the window's start. The cache itself knows nothing of
+positions. For RoPE, whose scores depend only on the distance between two tokens, this gives the same scores
+as absolute positions would, and the positions never leave the RoPE table however long the generation runs.
 
     cache = model.new_kv_cache(batch_size=1)
     logits = model(prompt_ids, kv_cache=cache)        # prefill: (1, prompt_len, vocab)
@@ -28,7 +29,7 @@ from torch import Tensor
 
 
 class LayerKVCache:
-    """One attention layer's cached keys (unrotated) and values, `(batch, heads, ≤ window, d_k)` each."""
+    """One attention layer's cached keys (before the position encoding) and values, `(batch, heads, ≤ window, d_k)` each."""
 
     def __init__(self, window: int) -> None:
         self.window = window

@@ -21,6 +21,7 @@ hundreds of bfloat16 values loses most of its digits.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -28,7 +29,10 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import LayerKVCache
+
+Device = torch.device | str | None
 
 
 def _at_least_float32(x: Tensor) -> Tensor:
@@ -152,6 +156,15 @@ class SiLUFeedForward(nn.Module):
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         return self.w2(silu(self.w1(x)))
+
+
+#: `ModelConfig.ffn` -> the feed-forward network of every block; each takes `(d_model, d_ff, device, dtype)`.
+FEED_FORWARDS: dict[str, type[nn.Module]] = {"swiglu": SwiGLU, "silu": SiLUFeedForward}
+
+
+def feed_forward(config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """The feed-forward network `config.ffn` names, `d_model -> d_ff -> d_model`."""
+    return FEED_FORWARDS[config.ffn](config.d_model, config.d_ff, device=device, dtype=dtype)
 
 
 def softmax(x: Float[Tensor, "..."], dim: int) -> Float[Tensor, "..."]:
@@ -317,15 +330,35 @@ class RotaryPositionalEmbedding(nn.Module):
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
 
 
+class NoPositionEncoding(nn.Module):
+    """NoPE: queries and keys are left as they are. Causal attention alone still tells a token how many
+    tokens precede it (Haviv et al., 2022)."""
+
+    def forward(
+        self, x: Float[Tensor, "... seq d_k"], token_positions: Int[Tensor, "... seq"]
+    ) -> Float[Tensor, "... seq d_k"]:
+        return x
+
+
+def position_encoding(config: ModelConfig, device: Device = None) -> nn.Module:
+    """The position encoding `config.positions` names, applied to queries and keys: a module called as
+    `encoding(x, token_positions)`. The KV cache keeps keys before it and it is applied to the whole window on
+    every call, with positions counted from the window's start, which is exact for any encoding whose
+    attention scores depend only on the distance between two tokens (RoPE, NoPE)."""
+    if config.positions == "rope":
+        return RotaryPositionalEmbedding(config.rope_theta, config.head_dim, config.context_length, device)
+    return NoPositionEncoding()
+
+
 class MultiHeadSelfAttention(nn.Module):
     """Causal multi-head self-attention: project to queries, keys and values, split `d_model` into
     `num_heads` heads of `d_k = d_model / num_heads` that attend independently (as one more batch
-    dimension), concatenate, project back. With `theta`, queries and keys are rotated by RoPE (the same
-    rotation for every head; values are not rotated).
+    dimension), concatenate, project back. Queries and keys then go through the position encoding of
+    `config.positions` (RoPE: the same rotation for every head; values are not rotated).
 
     With a `kv_cache` (one layer's `LayerKVCache`), `x` holds only the new tokens: their keys and values are
-    appended to the cached ones (a sliding window of at most `max_seq_len` tokens), and they attend to the
-    whole window and causally among themselves. RoPE positions are counted from the window's start; scores
+    appended to the cached ones (a sliding window of at most `context_length` tokens), and they attend to the
+    whole window and causally among themselves. Positions are counted from the window's start; RoPE scores
     depend only on distances, so this equals rotating by absolute positions.
     """
 
@@ -335,22 +368,37 @@ class MultiHeadSelfAttention(nn.Module):
         num_heads: int,
         max_seq_len: int | None = None,
         theta: float | None = None,
-        device: torch.device | str | None = None,
+        device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        """The specification's signature: RoPE with `theta` (which needs `max_seq_len`), none without."""
         super().__init__()
         if d_model % num_heads:
             raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-        self.d_model, self.num_heads = d_model, num_heads
-        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.rope: RotaryPositionalEmbedding | None = None
-        if theta is not None:
-            if max_seq_len is None:
-                raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
-            self.rope = RotaryPositionalEmbedding(theta, d_model // num_heads, max_seq_len, device=device)
+        if theta is not None and max_seq_len is None:
+            raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
+        config = ModelConfig(
+            d_model=d_model,
+            num_heads=num_heads,
+            context_length=max_seq_len or 1,
+            positions="rope" if theta is not None else "none",
+            rope_theta=theta if theta is not None else ModelConfig.rope_theta,
+        )
+        self.build(config, device, dtype)
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> MultiHeadSelfAttention:
+        return build_from_config(cls, config, device, dtype)
+
+    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        self.d_model, self.num_heads = config.d_model, config.num_heads
+        self.q_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
+        self.positions = position_encoding(config, device)
 
     def forward(
         self,
@@ -367,18 +415,26 @@ class MultiHeadSelfAttention(nn.Module):
                 raise ScratchlmError(
                     "with a KV cache, positions come from the cache; token_positions must be None"
                 )
-            # The cache holds keys before rotation: the window is rotated afresh from position 0 each call.
+            # The cache holds keys before the position encoding: the window is encoded afresh each call.
             k, v = kv_cache.append(k, v)
 
-        if self.rope is not None:
-            if token_positions is None:
-                # Query i of the `seq` new tokens is token `keys - seq + i` of the key sequence.
-                num_keys = k.shape[-2]
-                key_index = torch.arange(num_keys, device=x.device)
-                q, k = self.rope(q, key_index[num_keys - q.shape[-2] :]), self.rope(k, key_index)
-            else:
-                positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
-                q, k = self.rope(q, positions), self.rope(k, positions)
+        if token_positions is None:
+            # Query i of the `seq` new tokens is token `keys - seq + i` of the key sequence.
+            num_keys = k.shape[-2]
+            key_index = torch.arange(num_keys, device=x.device)
+            q, k = self.positions(q, key_index[num_keys - q.shape[-2] :]), self.positions(k, key_index)
+        else:
+            positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
+            q, k = self.positions(q, positions), self.positions(k, positions)
 
         heads = causal_attention(q, k, v)
         return self.output_proj(rearrange(heads, "... heads seq d_k -> ... seq (heads d_k)"))
+
+
+def build_from_config(cls: type, config: ModelConfig, device: Device, dtype: torch.dtype | None) -> Any:
+    """A module of class `cls` built by its `build(config, device, dtype)`, bypassing the specification's
+    loose-argument `__init__`: the path every model part takes inside `TransformerLM`."""
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    module.build(config, device, dtype)
+    return module

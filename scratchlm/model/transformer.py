@@ -16,6 +16,8 @@ implementation's state-dict keys.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
@@ -23,12 +25,20 @@ from torch import Tensor, nn
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import KVCache, LayerKVCache
-from scratchlm.model.layers import Embedding, Linear, MultiHeadSelfAttention, RMSNorm, SiLUFeedForward, SwiGLU
+from scratchlm.model.layers import (
+    Device,
+    Embedding,
+    Linear,
+    MultiHeadSelfAttention,
+    RMSNorm,
+    build_from_config,
+    feed_forward,
+)
 
 
 class TransformerBlock(nn.Module):
     """Causal self-attention then a feed-forward network, each inside a residual connection, with RMSNorm
-    before each (pre-norm, default), after each addition (post-norm), or nowhere."""
+    before each (pre-norm, default), after each addition (post-norm), or nowhere (`config.norm`)."""
 
     def __init__(
         self,
@@ -40,21 +50,42 @@ class TransformerBlock(nn.Module):
         *,
         norm: str = "pre",
         ffn: str = "swiglu",
-        device: torch.device | str | None = None,
+        device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        """The specification's signature (`theta=None`: no position encoding); `from_config` is the way
+        `TransformerLM` builds its blocks."""
         super().__init__()
-        self.norm = norm
-        kwargs = {"device": device, "dtype": dtype}
-        self.ln1 = RMSNorm(d_model, **kwargs) if norm != "none" else None
-        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, **kwargs)
-        self.ln2 = RMSNorm(d_model, **kwargs) if norm != "none" else None
-        feed_forward = SwiGLU if ffn == "swiglu" else SiLUFeedForward
-        self.ffn = feed_forward(d_model, d_ff, **kwargs)
+        config = ModelConfig(
+            d_model=d_model,
+            num_heads=num_heads,
+            d_ff=d_ff,
+            context_length=max_seq_len,
+            positions="rope" if theta is not None else "none",
+            rope_theta=theta if theta is not None else ModelConfig.rope_theta,
+            norm=norm,
+            ffn=ffn,
+        )
+        self.build(config, device, dtype)
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> TransformerBlock:
+        return build_from_config(cls, config, device, dtype)
+
+    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        self.norm = config.norm
+        with_norms = config.norm != "none"
+        self.ln1 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
+        self.attn = MultiHeadSelfAttention.from_config(config, device, dtype)
+        self.ln2 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
+        self.ffn = feed_forward(config, device, dtype)
 
     def forward(
         self, x: Float[Tensor, "... seq d_model"], kv_cache: LayerKVCache | None = None
     ) -> Float[Tensor, "... seq d_model"]:
+        # The one place where the normalisation's placement (`config.norm`) is decided.
         if self.norm == "pre":
             x = x + self.attn(self.ln1(x), kv_cache=kv_cache)
             return x + self.ffn(self.ln2(x))
@@ -82,13 +113,12 @@ class TransformerLM(nn.Module):
         d_ff: int | None,
         rope_theta: float = 10_000.0,
         *,
-        norm: str = "pre",
-        positions: str = "rope",
-        ffn: str = "swiglu",
-        tie_embeddings: bool = False,
-        device: torch.device | str | None = None,
+        device: Device = None,
         dtype: torch.dtype | None = None,
+        **switches: Any,
     ) -> None:
+        """The specification's signature; the other `ModelConfig` fields (`norm`, `positions`, `ffn`,
+        `tie_embeddings`, ...) are keyword arguments. `TransformerLM.from_config(config)` is the same."""
         super().__init__()
         config = ModelConfig(
             vocab_size=vocab_size,
@@ -98,35 +128,30 @@ class TransformerLM(nn.Module):
             num_heads=num_heads,
             d_ff=d_ff,
             rope_theta=rope_theta,
-            norm=norm,
-            positions=positions,
-            ffn=ffn,
-            tie_embeddings=tie_embeddings,
+            **switches,
         )
+        self.build(config, device, dtype)
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> TransformerLM:
+        return build_from_config(cls, config, device, dtype)
+
+    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
         self.config = config
-        kwargs = {"device": device, "dtype": dtype}
-        self.token_embeddings = Embedding(vocab_size, d_model, **kwargs)
-        theta = rope_theta if positions == "rope" else None
+        self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            TransformerBlock(
-                d_model, num_heads, config.d_ff, context_length, theta, norm=norm, ffn=ffn, **kwargs
-            )
-            for _ in range(num_layers)
+            TransformerBlock.from_config(config, device, dtype) for _ in range(config.num_layers)
         )
         # A post-norm block already ends with an RMSNorm; with norm="none" there is none anywhere.
-        self.ln_final = RMSNorm(d_model, **kwargs) if norm == "pre" else None
-        self.lm_head = Linear(d_model, vocab_size, **kwargs)
-        if tie_embeddings:
+        self.ln_final = RMSNorm(config.d_model, device=device, dtype=dtype) if config.norm == "pre" else None
+        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        if config.tie_embeddings:
             # One matrix for both ends. It takes the LM head's initialisation (std ≈ sqrt(2 / (vocab + d_model)))
             # rather than the embedding's N(0, 1): unit-variance rows would make the initial logits
             # sqrt(d_model) times too large.
             self.token_embeddings.weight = self.lm_head.weight
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> TransformerLM:
-        return cls(**config.to_dict(), device=device, dtype=dtype)
 
     def forward(
         self, token_ids: Int[Tensor, "... seq"], kv_cache: KVCache | None = None

@@ -21,6 +21,7 @@ characters where GPT-2's pattern always ends a pre-token whatever follows (see `
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import os
@@ -177,6 +178,20 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
             f"special_tokens={self.special_tokens})"
         )
+
+    @property
+    def fingerprint(self) -> str:
+        """A SHA-256 of the vocabulary, the merges and the special tokens: equal for two tokenizers exactly
+        when they encode and decode alike. A checkpoint records it, so a model is never paired with a
+        tokenizer it was not trained with."""
+        digest = hashlib.sha256()
+        for token_id, token in sorted(self.vocab.items()):
+            digest.update(b"%d:%d:" % (token_id, len(token)) + token)
+        for left, right in self.merges:
+            digest.update(b"m%d:%d:" % (len(left), len(right)) + left + right)
+        for special in self.special_tokens:
+            digest.update(b"s%d:" % len(special.encode()) + special.encode())
+        return digest.hexdigest()
 
     @property
     def vocab_size(self) -> int:

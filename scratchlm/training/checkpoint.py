@@ -18,7 +18,7 @@ plain Python values, so they load with `weights_only=True` (no code runs when re
 from __future__ import annotations
 
 import os
-import re
+import pickle
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,7 +28,6 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -78,13 +77,27 @@ def save_checkpoint(
 
 
 def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> dict[str, Any]:
-    """The checkpoint dict, on the CPU; a clear error for a missing or unreadable file."""
-    if isinstance(src, str | os.PathLike) and not Path(src).is_file():
-        raise ScratchlmError(f"checkpoint {src} not found")
+    """The checkpoint dict, on the CPU; a one-line error naming the file for a missing, empty, truncated or
+    foreign one."""
+    if isinstance(src, str | os.PathLike):
+        path = Path(src)
+        if not path.exists():
+            raise ScratchlmError(f"checkpoint {src} not found")
+        if not path.is_file():
+            raise ScratchlmError(f"checkpoint {src} is not a file")
+        if path.stat().st_size == 0:
+            raise ScratchlmError(f"checkpoint {src} is empty (0 bytes): not a checkpoint")
     try:
         state = torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused the content: another format, or arbitrary objects
+        raise ScratchlmError(
+            f"checkpoint {src} is not a scratchlm checkpoint (not a PyTorch file of tensors and plain values)"
+        ) from None
     except Exception as e:  # a truncated or foreign file: torch raises several types
-        raise ScratchlmError(f"checkpoint {src} could not be read: {e}") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ScratchlmError(
+            f"checkpoint {src} could not be read (truncated, or not a PyTorch file): {reason}"
+        ) from None
     if not isinstance(state, dict) or "model" not in state:
         raise ScratchlmError(f"checkpoint {src} is not a scratchlm checkpoint (no 'model' entry)")
     return state
@@ -102,59 +115,31 @@ def load_checkpoint(
     except RuntimeError as e:
         raise ScratchlmError(f"checkpoint does not fit the model: {e}") from None
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(_regrouped(state["optimizer"], optimizer, unwrap_model(model)))
     return int(state["iteration"])
 
 
-def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """The run's checkpoints, oldest first."""
-    directory = checkpoint_dir(run_dir)
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := CHECKPOINT_NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The run's most recent checkpoint, or None when it has none."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
-    """Delete all but the `keep` most recent checkpoints."""
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-
-
-def load_model(path_or_run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Any, dict]:
-    """Rebuild a trained model from a checkpoint file or a run directory (its latest checkpoint).
-
-    Returns the model in eval mode on `device`, and the checkpoint's train config dict (empty when absent).
-    """
-    from scratchlm.model.config import ModelConfig
-    from scratchlm.model.transformer import TransformerLM
-
-    path = Path(path_or_run_dir)
-    if path.is_dir():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise ScratchlmError(
-                f"run directory {path} has no checkpoints (expected {checkpoint_dir(path)}/step_*.pt)"
-            )
-        path = found
-    state = read_checkpoint(path)
-    if "model_config" not in state:
-        raise ScratchlmError(f"checkpoint {path} has no model_config; cannot rebuild the model")
-    model = TransformerLM.from_config(ModelConfig.from_dict(state["model_config"]), device=device)
-    load_checkpoint(state, model)
-    model.eval()
-    return model, state.get("train_config", {})
+def _regrouped(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> dict[str, Any]:
+    """A saved optimizer state in `optimizer`'s parameter groups. Checkpoints written before the parameters
+    were grouped by role (`scratchlm.training.optim.parameter_groups`) hold one group of all parameters, in
+    `model.parameters()` order; each parameter's state moves to the group it belongs to now, and every group
+    takes the saved hyperparameters."""
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) == len(groups) or len(saved["param_groups"]) != 1:
+        return saved  # already in this grouping (or a mismatch that load_state_dict reports)
+    old_index = {id(p): i for i, p in enumerate(model.parameters())}
+    (saved_group,) = saved["param_groups"]
+    hyperparameters = {k: v for k, v in saved_group.items() if k != "params"}
+    state, new_groups, index = {}, [], 0
+    for group in groups:
+        ids = []
+        for p in group["params"]:
+            if old_index[id(p)] in saved["state"]:
+                state[index] = saved["state"][old_index[id(p)]]
+            ids.append(index)
+            index += 1
+        own = {k: group[k] for k in ("name", "lr_scale") if k in group}
+        new_groups.append({**hyperparameters, **own, "params": ids})
+    return {"state": state, "param_groups": new_groups}

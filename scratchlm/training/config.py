@@ -124,15 +124,13 @@ class TrainConfig:
         if path is not None:
             path = Path(path)
             source = str(path)
-            try:
-                values = tomllib.loads(path.read_text(encoding="utf-8"))
-            except FileNotFoundError:
-                raise ScratchlmError(f"config file {path} not found") from None
-            except tomllib.TOMLDecodeError as e:
-                raise ScratchlmError(f"config file {path} is not valid TOML: {e}") from None
+            values = read_toml(path)
         for override in overrides:
             section, key, value = parse_override(override)
+            _build_section(section, SECTIONS.get(section), {key: value}, f"--set {override}", construct=False)
             values.setdefault(section, {})[key] = value
+        if overrides:
+            source = f"{source} with --set overrides" if path is not None else "--set overrides"
         return cls.from_dict(values, source)
 
     @classmethod
@@ -219,6 +217,27 @@ class TrainConfig:
         return TrainConfig.from_dict(values)
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's tables; a one-line error naming the file when it is missing, not a file, not UTF-8 or
+    not TOML."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ScratchlmError(f"config file {path} not found") from None
+    except IsADirectoryError:
+        raise ScratchlmError(f"config file {path} is a directory; expected a TOML file") from None
+    except UnicodeDecodeError as e:
+        raise ScratchlmError(
+            f"config file {path} is not UTF-8 text (byte {e.start}); expected a TOML file"
+        ) from None
+    except OSError as e:
+        raise ScratchlmError(f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScratchlmError(f"config file {path} is not valid TOML: {e}") from None
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """`"optimizer.lr=3e-4"` -> ("optimizer", "lr", 0.0003); a value that is not a TOML literal is a string."""
     key, sep, raw = text.partition("=")
@@ -273,7 +292,12 @@ def _coerce(value: Any, annotation: Any) -> Any:
     raise TypeError
 
 
-def _build_section(name: str, section_type: type, values: dict[str, Any], source: str) -> Any:
+def _build_section(
+    name: str, section_type: type | None, values: dict[str, Any], source: str, construct: bool = True
+) -> Any:
+    """The section `name` built from `values`, each checked against its type; `construct=False` only checks."""
+    if section_type is None:
+        raise ScratchlmError(f"{source}: unknown section(s) {name}; known: {', '.join(SECTIONS)}")
     hints = typing.get_type_hints(section_type)
     known = [f.name for f in dataclasses.fields(section_type)]
     unknown = sorted(set(values) - set(known))
@@ -290,7 +314,7 @@ def _build_section(name: str, section_type: type, values: dict[str, Any], source
             raise ScratchlmError(
                 f"{source}: {name}.{key} must be {_type_name(hints[key])}, got {value!r}"
             ) from None
-    return section_type(**checked)  # ModelConfig checks its own ranges and names the key
+    return section_type(**checked) if construct else None  # ModelConfig checks its own ranges, naming the key
 
 
 def _section_dict(section: Any) -> dict[str, Any]:

@@ -35,27 +35,6 @@ class Distributed:
         return self.rank == 0
 
 
-def resolve_device(requested: str) -> torch.device:
-    """ "auto" -> cuda, then mps, then cpu; anything else must name a device torch has."""
-    if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError:
-        raise ScratchlmError(
-            f"training.device {requested!r} is not a device name (auto, cpu, cuda, cuda:1, mps)"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ScratchlmError(f"training.device is {requested!r} but CUDA is not available here")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ScratchlmError(f"training.device is {requested!r} but MPS is not available here")
-    return device
-
-
 def init_distributed(device: torch.device) -> tuple[Distributed, torch.device]:
     """Join the process group torchrun set up (if any); returns the ranks and this process's device."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -6,23 +6,22 @@ and "tokens", plus either the train fields (train_loss, lr, grad_norm, tokens_pe
 record, so a crashed run keeps its curve; on resume, records past the checkpoint's step are dropped, because
 those steps are about to be trained again.
 
-The MFU (model FLOPs utilisation) estimate divides the model's training FLOPs per second by the accelerator's
-peak: per token, 6·N for the forward and backward matmuls of the N non-embedding parameters plus 12·L·d·T for
-attention scores and weighted values (L layers, width d, context T), as in the PaLM paper's appendix B.
+The MFU (model FLOPs utilisation) estimate divides the model's training FLOPs per second
+(`ModelConfig.flops_per_token`: 3 × the forward matmuls, about 6·N + 12·L·d·T as in the PaLM paper's
+appendix B) by the accelerator's peak.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from scratchlm.console import console, progress
 from scratchlm.errors import ScratchlmError
-from scratchlm.io import atomic_write
+from scratchlm.run.directory import RunDirectory
+from scratchlm.run.metrics import drop_records_after
 
 # Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets.
 PEAK_FLOPS: dict[tuple[str, str], float] = {
@@ -45,11 +44,6 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
 }
 
 
-def flops_per_token(non_embedding_params: int, num_layers: int, d_model: int, context_length: int) -> int:
-    """Training FLOPs per token: forward + backward matmuls (6N) plus attention (12·L·d·T)."""
-    return 6 * non_embedding_params + 12 * num_layers * d_model * context_length
-
-
 def peak_flops(device: torch.device, precision: str, peak_tflops: float = 0.0) -> float | None:
     """The configured peak, else the data-sheet peak of a known GPU, else None (no MFU is reported)."""
     if peak_tflops:
@@ -68,7 +62,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        run_dir: Path,
+        run: RunDirectory,
         config: dict[str, Any],
         total_steps: int,
         start_step: int = 0,
@@ -76,9 +70,9 @@ class MetricsLogger:
         wandb_project: str = "scratchlm",
         tensorboard: bool = False,
     ) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run.metrics
         self.total_steps = total_steps
-        _drop_records_after(self.path, start_step)
+        drop_records_after(self.path, start_step)
         self.file = self.path.open("a", encoding="utf-8")
         self.wandb_run = None
         self.tensorboard = None
@@ -90,7 +84,7 @@ class MetricsLogger:
                     "logging.wandb = true needs the wandb package: pip install 'scratchlm[wandb]'"
                 ) from None
             self.wandb_run = wandb_module.init(
-                project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config, resume="allow"
+                project=wandb_project, name=run.path.name, dir=str(run.path), config=config, resume="allow"
             )
         if tensorboard:
             try:
@@ -99,7 +93,7 @@ class MetricsLogger:
                 raise ScratchlmError(
                     "logging.tensorboard = true needs the tensorboard package: pip install 'scratchlm[tensorboard]'"
                 ) from None
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.tensorboard = SummaryWriter(log_dir=str(run.path / "tensorboard"))
         self.bar = progress(counter=True)
         self.bar.start()
         self.task = self.bar.add_task("training", total=total_steps, completed=start_step)
@@ -136,21 +130,3 @@ def _format(record: dict[str, Any], total_steps: int) -> str:
         f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {record['grad_norm']:.3f}"
         f" │ {record['tokens_per_s']:,.0f} tok/s{mfu}"
     )
-
-
-def _drop_records_after(path: Path, step: int) -> None:
-    """Keep only the records of steps <= `step` (the part of the curve the resumed checkpoint has seen)."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and _step_of(line) <= step]
-    if len(kept) != len(lines):
-        with atomic_write(path, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf  # a torn last line from a crash: drop it

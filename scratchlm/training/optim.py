@@ -10,17 +10,26 @@ AdamW (Loshchilov & Hutter, 2019) keeps, per parameter, running averages of the 
 Each rule is applied to all parameters of a group at once with `torch._foreach_*` kernels (a few launches per
 step instead of a few per parameter), which is what makes the optimizer step cheap next to the model's
 forward and backward passes.
+
+`build_optimizer` is the one place where a training run's optimizer is made. It splits the model's parameters
+into named groups by their role (`parameter_groups`): the hidden weight matrices, the token embeddings, the
+output head and the gains (the 1-D RMSNorm weights). Every group is a `param_groups` entry with its `name`, an
+`lr_scale` (its learning rate is the schedule's rate times this) and its own hyperparameters, so an optimizer or
+a learning rate per group is a matter of configuration.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scratchlm.errors import ScratchlmError
+
+if TYPE_CHECKING:
+    from scratchlm.training.config import OptimizerConfig
 
 Params = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
 
@@ -110,3 +119,43 @@ class AdamW(torch.optim.Optimizer):
             if weight_decay:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
         return loss
+
+
+#: The roles a parameter can have, in the order of `param_groups`.
+PARAMETER_GROUPS = ("matrices", "embeddings", "head", "gains")
+
+
+def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """The model's trainable parameters by role, each parameter (a tied matrix too) in exactly one group:
+
+    - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one);
+    - "head": the output projection to the vocabulary (`lm_head`), when it is a matrix of its own;
+    - "gains": every 1-D parameter (the RMSNorm gains);
+    - "matrices": every other parameter, the hidden weight matrices of attention and the feed-forward networks.
+    """
+    groups: dict[str, list[torch.nn.Parameter]] = {name: [] for name in PARAMETER_GROUPS}
+    for name, param in model.named_parameters():  # a shared parameter is listed once, under its first name
+        if not param.requires_grad:
+            continue
+        if name.endswith("token_embeddings.weight"):
+            groups["embeddings"].append(param)
+        elif name.endswith("lm_head.weight"):
+            groups["head"].append(param)
+        elif param.dim() < 2:
+            groups["gains"].append(param)
+        else:
+            groups["matrices"].append(param)
+    return groups
+
+
+def build_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer `config` describes over `model`'s parameter groups (see the module docstring); groups
+    without parameters are left out. The specification's recipe gives every group the same settings."""
+    groups = [
+        {"params": params, "name": name, "lr_scale": 1.0}
+        for name, params in parameter_groups(model).items()
+        if params
+    ]
+    if config.name == "sgd":
+        return SGD(groups, lr=config.lr)
+    return AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)

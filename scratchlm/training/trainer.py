@@ -27,7 +27,6 @@ Resuming a run that has no steps left changes nothing in it and returns the summ
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import threading
@@ -41,40 +40,31 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
-from scratchlm.errors import ScratchlmError
+from scratchlm.device import resolve_device
+from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.training.checkpoint import (
-    checkpoint_path,
-    latest_checkpoint,
-    load_checkpoint,
-    prune_checkpoints,
-    read_checkpoint,
-    save_checkpoint,
-)
-from scratchlm.training.config import OptimizerConfig, TrainConfig
+from scratchlm.run.directory import RunDirectory
+from scratchlm.run.load import TOKENIZER_DIR
+from scratchlm.run.summary import RunSummary, StopReason
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from scratchlm.training.config import TrainConfig
 from scratchlm.training.data import gather_batch, load_tokens, sample_starts
 from scratchlm.training.distributed import (
     Distributed,
     all_reduce,
     init_distributed,
-    resolve_device,
     shutdown_distributed,
     wrap_ddp,
 )
 from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss import cross_entropy
-from scratchlm.training.metrics import MetricsLogger, flops_per_token, peak_flops
-from scratchlm.training.optim import SGD, AdamW
+from scratchlm.training.metrics import MetricsLogger, peak_flops
+from scratchlm.training.optim import build_optimizer
 from scratchlm.training.schedule import cosine_lr_schedule
 
 EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
-
-
-def build_optimizer(config: OptimizerConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if config.name == "sgd":
-        return SGD(params, lr=config.lr)
-    return AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
 
 
 class StopRequest:
@@ -104,10 +94,10 @@ class StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
-def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
+def train(config: TrainConfig, resume: bool = False) -> RunSummary:
     """Train a model as `config` says (continuing the run in `config.logging.run_dir` if `resume`); returns
     the summary that is also written to `RUN/summary.json`."""
-    device = resolve_device(config.training.device)
+    device = resolve_device(config.training.device, option="training.device")
     dist_info, device = init_distributed(device)
     if device.type == "cpu":
         # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
@@ -145,18 +135,15 @@ class _Interval:
         yield
         self.paused += time.perf_counter() - start
 
-    def means(self, step: int, run_dir: Path) -> tuple[float, float]:
-        """The mean loss (over all processes) and gradient norm of the interval so far; stops the run if either
-        is not finite."""
+    def means(self, step: int, run: RunDirectory) -> tuple[float, float]:
+        """The mean loss (over all processes) and gradient norm of the interval so far; stops the run with a
+        `DivergedError` if either is not finite."""
         loss = all_reduce(self.loss / max(self.steps, 1)).item()
         norm = self.grad_norm.item() / max(self.steps, 1)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            kept = latest_checkpoint(run_dir)
-            raise ScratchlmError(
-                f"training diverged: the {'loss' if not math.isfinite(loss) else 'gradient norm'} became "
-                f"non-finite by step {step}; "
-                + (f"the last good checkpoint is {kept}" if kept else "no checkpoint was written")
-                + " (try a lower optimizer.lr or a longer schedule.warmup_iters)"
+            kept = run.latest_checkpoint()
+            raise DivergedError(
+                "loss" if not math.isfinite(loss) else "gradient norm", step, str(kept) if kept else None
             )
         return loss, norm
 
@@ -178,7 +165,7 @@ class _Run:
     ) -> None:
         self.config, self.dist, self.device = config, dist_info, device
         t, m = config.training, config.model
-        self.run_dir = Path(config.logging.run_dir)
+        self.run_dir = RunDirectory(config.logging.run_dir)
         self.context = m.context_length
         self.total_steps = config.total_steps
         self.cosine_end = config.schedule.cosine_cycle_iters or self.total_steps
@@ -194,10 +181,11 @@ class _Run:
 
         self.train_tokens = load_tokens(config.data.train, m.vocab_size, self.context)
         self.valid_tokens = load_tokens(config.data.valid, m.vocab_size, self.context)
+        self.tokenizer = self._load_tokenizer()
 
         torch.manual_seed(t.seed)
         self.model = TransformerLM.from_config(m, device=device)
-        self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
+        self.optimizer = build_optimizer(config.optimizer, self.model)
         self.generator = np.random.default_rng(t.seed)
         self.step, self.elapsed_before = 0, 0.0
         self.last_saved: int | None = None  # the step of the newest checkpoint on disk
@@ -209,22 +197,40 @@ class _Run:
         self.forward_model = torch.compile(self.model) if t.compile else self.model
         self.train_model = wrap_ddp(self.forward_model, device) if dist_info.enabled else self.forward_model
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
-        self.flops_per_token = flops_per_token(
-            self.model.num_parameters(non_embedding=True), m.num_layers, m.d_model, self.context
-        )
+        self.flops_per_token = m.flops_per_token
         self.peak = peak_flops(device, t.precision, config.logging.peak_tflops)
 
         # What this session has seen so far; `run` starts the clock.
         self.start_step = self.step
         self.stop = StopRequest(dist_info.enabled)
-        self.stopped = "finished"
+        self.stopped = StopReason.FINISHED
         self.final_train_loss: float | None = None
         self.final_val_loss: float | None = None
         self.last_eval: int | None = None
         self.logger: MetricsLogger | None = None
 
+    def _load_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer of `data.tokenizer` (if set), checked against the model's vocabulary and against the
+        run directory's copy of it, which a resumed run must not change."""
+        if not self.config.data.tokenizer:
+            return None
+        tokenizer = Tokenizer.from_dir(self.config.data.tokenizer)
+        vocab_size = self.config.model.vocab_size
+        if tokenizer.vocab_size > vocab_size:
+            raise ScratchlmError(
+                f"data.tokenizer {self.config.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
+                f"model.vocab_size ({vocab_size})"
+            )
+        copy = self.run_dir.path / TOKENIZER_DIR
+        if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
+            raise ScratchlmError(
+                f"data.tokenizer {self.config.data.tokenizer} is not the tokenizer this run was trained with "
+                f"({copy}); use another logging.run_dir"
+            )
+        return tokenizer
+
     def _restore(self, resume: bool) -> None:
-        existing = latest_checkpoint(self.run_dir)
+        existing = self.run_dir.latest_checkpoint()
         if existing is not None and not resume:
             raise ScratchlmError(
                 f"run directory {self.run_dir} already has checkpoints; continue it with --resume, "
@@ -254,7 +260,7 @@ class _Run:
             self.config.schedule.warmup_iters, self.cosine_end,
         )  # fmt: skip
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         starts = sample_starts(len(self.train_tokens), t.batch_size, self.context, self.generator)
         per_process = t.batch_size // self.dist.world_size
         mine = starts[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
@@ -309,7 +315,7 @@ class _Run:
         self.last_saved = self.step
         if not self.dist.is_main:
             return None
-        path = checkpoint_path(self.run_dir, self.step)
+        path = self.run_dir.checkpoint(self.step)
         extra: dict[str, Any] = {
             "train_config": self.config.to_dict(),
             "data_rng": self.committed_rng,
@@ -317,15 +323,17 @@ class _Run:
             "elapsed_s": self._elapsed(),
             "tokens": self.step * self.tokens_per_step,
         }
+        if self.tokenizer is not None:
+            extra["tokenizer_fingerprint"] = self.tokenizer.fingerprint
         if self.device.type == "cuda":
             extra["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         save_checkpoint(self.model, self.optimizer, self.step, path, **extra)
-        prune_checkpoints(self.run_dir, self.config.checkpoint.keep)
+        self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
         return path
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         if self.step >= self.total_steps:
             return self._already_finished()
         self._start()
@@ -363,9 +371,13 @@ class _Run:
         """Write the run's config, announce the run, open the metrics log and start the clocks."""
         config = self.config
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with atomic_write(self.run_dir / "config.toml", "w") as f:
+            self.run_dir.path.mkdir(parents=True, exist_ok=True)
+            with atomic_write(self.run_dir.config, "w") as f:
                 f.write(config.to_toml())
+            if self.tokenizer is not None and not (self.run_dir.path / TOKENIZER_DIR).is_dir():
+                self.tokenizer.save(
+                    self.run_dir.path / TOKENIZER_DIR
+                )  # the run carries what it needs to generate
             console.print(
                 f"training {self.model.num_parameters():,} parameters on {self.device}"
                 f"{f' × {self.dist.world_size} processes' if self.dist.enabled else ''}: {self.total_steps:,} steps"
@@ -422,7 +434,7 @@ class _Run:
         if self.dist.enabled:
             stop = bool(all_reduce(torch.tensor(float(stop), device=self.device), "max").item())
         if stop:
-            self.stopped = "interrupted" if self.stop.requested else "time budget"
+            self.stopped = StopReason.INTERRUPTED if self.stop.requested else StopReason.TIME_BUDGET
         return stop
 
     def _save_after_abort(self) -> None:
@@ -443,13 +455,13 @@ class _Run:
             self.config.eval.iters
             and self.step > self.start_step
             and self.last_eval != self.step
-            and self.stopped != "interrupted"
+            and self.stopped is not StopReason.INTERRUPTED
         ):
             self._evaluate()
         if self.step != self.last_saved:
             self._save()
 
-    def _finish(self) -> dict[str, Any]:
+    def _finish(self) -> RunSummary:
         """Write and print the summary; an interrupted run then re-raises the Ctrl-C."""
         session_time = time.perf_counter() - self.session_start
         summary = self._summary(
@@ -457,37 +469,35 @@ class _Run:
             tokens_per_s=(self.step - self.start_step) * self.tokens_per_step / session_time,
         )
         if self.dist.is_main:
-            with atomic_write(self.run_dir / "summary.json", "w") as f:
-                json.dump(summary, f, indent=2)
+            summary.write(self.run_dir.summary_file)
             console.print(
-                f"{self.stopped} at step {self.step} after {format_seconds(summary['wall_time_s'])}: train loss "
+                f"{self.stopped.value} at step {self.step} after {format_seconds(summary.wall_time_s)}: train loss "
                 f"{_fmt(self.final_train_loss)}, val loss {_fmt(self.final_val_loss)}; "
-                f"checkpoint in {self.run_dir / 'checkpoints'}"
-                + ("" if self.stopped == "finished" else " (continue with --resume)")
+                f"checkpoint in {self.run_dir.checkpoints_dir}"
+                + ("" if self.stopped is StopReason.FINISHED else " (continue with --resume)")
             )
-        if self.stopped == "interrupted":
+        if self.stopped is StopReason.INTERRUPTED:
             raise KeyboardInterrupt
         return summary
 
-    def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> dict[str, Any]:
-        return {
-            "run_dir": str(self.run_dir),
-            "steps": self.step,
-            "tokens": self.step * self.tokens_per_step,
-            "wall_time_s": wall_time_s,
-            "final_train_loss": self.final_train_loss,
-            "final_val_loss": self.final_val_loss,
-            "tokens_per_s": tokens_per_s,
-            "parameters": self.model.num_parameters(),
-            "stopped": self.stopped,
-        }
+    def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> RunSummary:
+        return RunSummary(
+            run_dir=str(self.run_dir),
+            steps=self.step,
+            tokens=self.step * self.tokens_per_step,
+            wall_time_s=wall_time_s,
+            final_train_loss=self.final_train_loss,
+            final_val_loss=self.final_val_loss,
+            tokens_per_s=tokens_per_s,
+            parameters=self.model.num_parameters(),
+            stopped=self.stopped,
+        )
 
-    def _already_finished(self) -> dict[str, Any]:
+    def _already_finished(self) -> RunSummary:
         """A resumed run with no steps left is left as it is; its summary is the one it wrote when it ended
         (or, if that is missing or from an earlier step, one without the losses, which were not kept)."""
-        path = self.run_dir / "summary.json"
-        summary = json.loads(path.read_text()) if path.exists() else None
-        if summary is None or summary.get("steps") != self.step:
+        summary = self.run_dir.summary()
+        if summary is None or summary.steps != self.step:
             summary = self._summary(wall_time_s=self.elapsed_before, tokens_per_s=None)
         if self.dist.is_main:
             console.print(f"run already finished at step {self.step}: nothing to train in {self.run_dir}")

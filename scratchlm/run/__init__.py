@@ -1,0 +1,29 @@
+"""The run directory: the one contract between training, sweeps, the quickstart, `generate`, `eval` and `plot`.
+
+A training run lives in one directory (`logging.run_dir`):
+
+    RUN/
+      config.toml             the resolved configuration the run trained with
+      metrics.jsonl           one JSON record per line: train records and eval records (`scratchlm.run.metrics`)
+      checkpoints/step_00001000.pt   the most recent `checkpoint.keep` checkpoints
+      summary.json            how the run ended: steps, tokens, time, losses, the stop reason (`RunSummary`)
+
+Everything that reads or writes these files goes through this package: `RunDirectory` knows the paths and
+finds checkpoints, `RunSummary` is the typed summary with its `StopReason`, `read_metrics` parses the metrics
+log, and `load_trained` loads a trained model together with its tokenizer for inference.
+"""
+
+from scratchlm.run.directory import RunDirectory
+from scratchlm.run.load import TrainedModel, load_model, load_trained
+from scratchlm.run.metrics import read_metrics
+from scratchlm.run.summary import RunSummary, StopReason
+
+__all__ = [
+    "RunDirectory",
+    "RunSummary",
+    "StopReason",
+    "TrainedModel",
+    "load_model",
+    "load_trained",
+    "read_metrics",
+]

@@ -1,0 +1,68 @@
+"""`RunDirectory`: the paths of a run directory and the checkpoints in it."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from scratchlm.run.metrics import METRICS_FILE
+from scratchlm.run.summary import RunSummary
+
+CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    path: Path
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints_dir / f"step_{step:08d}.pt"
+
+    def checkpoints(self) -> list[Path]:
+        """The run's checkpoints, oldest first."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = [
+            (int(m.group(1)), p)
+            for p in self.checkpoints_dir.iterdir()
+            if (m := CHECKPOINT_NAME.fullmatch(p.name))
+        ]
+        return [p for _, p in sorted(found)]
+
+    def latest_checkpoint(self) -> Path | None:
+        """The most recent checkpoint, or None when the run has none."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def prune_checkpoints(self, keep: int) -> None:
+        """Delete all but the `keep` most recent checkpoints."""
+        for old in self.checkpoints()[:-keep] if keep > 0 else []:
+            old.unlink(missing_ok=True)
+
+    def summary(self) -> RunSummary | None:
+        """The summary the run wrote when it last stopped, or None when it has not stopped yet."""
+        return RunSummary.read(self.summary_file) if self.summary_file.exists() else None
