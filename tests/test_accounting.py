@@ -127,3 +127,29 @@ def test_cli_rejects_bad_budget():
 
     with pytest.raises(ScratchlmError, match="--mfu"):
         run_cli("--mfu", "1.5")
+
+
+def test_the_experiments_doc_states_the_numbers_the_code_computes():
+    """docs/experiments.md quotes the base model's d_ff and parameter counts and compares the SiLU ablation's
+    size with SwiGLU's; each figure must be what `scratchlm.model.accounting` computes for experiments/base.toml."""
+    import dataclasses
+    from pathlib import Path
+
+    from scratchlm.training.config import TrainConfig
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "experiments.md").read_text(encoding="utf-8")
+    base = TrainConfig.load(root / "experiments" / "base.toml").model
+    silu = dataclasses.replace(base, ffn="silu", d_ff=None)
+    per_layer = {c.ffn: acc.parameter_counts(c)["feed-forward"] // c.num_layers for c in (base, silu)}
+    assert f"SwiGLU d_ff {base.d_ff}, RoPE" in doc
+    assert f"{acc.num_parameters(base):,} parameters" in doc
+    assert (
+        f"the SiLU MLP has {per_layer['silu']:,} parameters per layer against SwiGLU's {per_layer['swiglu']:,}"
+        in " ".join(doc.split())
+    )
+    more = round(100 * (per_layer["silu"] / per_layer["swiglu"] - 1))
+    assert f"({more} % *more*;" in doc and per_layer["silu"] > per_layer["swiglu"]
+    assert f"the whole model {acc.num_parameters(silu):,} against {acc.num_parameters(base):,}" in " ".join(
+        doc.split()
+    )

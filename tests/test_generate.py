@@ -227,3 +227,63 @@ def test_cli_bad_input_is_one_line(trained_files, tmp_path, capsys: pytest.Captu
     assert main(["generate", "--checkpoint", str(checkpoint), "--tokenizer", str(tmp_path / "none")]) == 2
     errors = capsys.readouterr().err
     assert "Traceback" not in errors and errors.count("error:") == 3
+
+
+@pytest.mark.parametrize("option", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "0"]])
+def test_cli_checks_sampling_options_before_printing_anything(
+    trained_files, capsys: pytest.CaptureFixture, option: list[str]
+) -> None:
+    from scratchlm.cli import main
+
+    _, _, checkpoint = trained_files
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "Once upon", *option, "--device", "cpu"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # the prompt is not echoed before the refusal
+    assert captured.err.count("\n") == 1 and option[0] in captured.err
+
+
+def test_cli_names_a_missing_run_directory_as_such(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from scratchlm.cli import main
+
+    assert main(["generate", "--run", str(tmp_path / "nothere"), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {tmp_path / 'nothere'} not found" in err and "checkpoint" not in err
+
+
+def test_a_tokenizer_the_model_was_not_trained_with_is_refused(trained_files, tmp_path, capsys) -> None:
+    """A checkpoint records its tokenizer's fingerprint: a different tokenizer, even a smaller one that
+    would decode every id to something, is refused rather than printing replacement characters."""
+    from scratchlm.cli import main
+    from scratchlm.run import load_trained
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+    from scratchlm.training.checkpoint import save_checkpoint
+    from scratchlm.training.optim import AdamW
+
+    model, tokenizer, _ = trained_files
+    checkpoint = tmp_path / "recorded.pt"
+    save_checkpoint(
+        model,
+        AdamW(model.parameters()),
+        0,
+        checkpoint,
+        train_config={"data": {"tokenizer": str(tmp_path / "tokenizer")}},
+        tokenizer_fingerprint=tokenizer.fingerprint,
+    )
+    other_text = tmp_path / "other.txt"
+    other_text.write_text("a completely different corpus, with other merges " * 30)
+    vocab, merges = train_bpe(other_text, 280, ["<|endoftext|>"], workers=1)
+    other = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    assert other.vocab_size < model.config.vocab_size and other.fingerprint != tokenizer.fingerprint
+    other.save(tmp_path / "other")
+
+    assert (
+        load_trained(checkpoint, tokenizer=tmp_path / "tokenizer").tokenizer.fingerprint
+        == tokenizer.fingerprint
+    )
+    with pytest.raises(ScratchlmError, match="is not the one the model .* was trained with"):
+        load_trained(checkpoint, tokenizer=tmp_path / "other")
+    assert main(["generate", "--checkpoint", str(checkpoint), "--tokenizer", str(tmp_path / "other")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "was trained with" in captured.err and "Traceback" not in captured.err

@@ -208,7 +208,11 @@ def test_rope_matches_complex_rotation_with_batch_dims_and_offset_positions():
 def test_rope_has_no_parameters_and_its_buffers_are_not_saved():
     rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=16)
     assert list(rope.parameters()) == [] and rope.state_dict() == {}
-    assert len(list(rope.buffers())) > 0
+    # The buffers are the table of cos/sin(i · θ^(-2k/d)) for every position i < 16 and pair k < 4.
+    angles = [[i * 10_000.0 ** (-2 * k / 8) for k in range(4)] for i in range(16)]
+    torch.testing.assert_close(rope.cos, torch.tensor(angles, dtype=torch.float64).cos().float())
+    torch.testing.assert_close(rope.sin, torch.tensor(angles, dtype=torch.float64).sin().float())
+    assert {name for name, _ in rope.named_buffers()} == {"cos", "sin"}
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -263,3 +267,25 @@ def test_bad_shapes_are_clear_errors():
         MultiHeadSelfAttention(32, 4, theta=10_000.0)
     with pytest.raises(ScratchlmError, match="even"):
         RotaryPositionalEmbedding(10_000.0, 7, 8)
+
+
+def test_causal_attention_backward_in_bfloat16_is_close_to_the_exact_one():
+    """The hand-written backward pass on bfloat16 inputs (several query blocks, the last one partial) against
+    the exact float64 attention of torch: relative error (Frobenius norm) of the output and of each gradient
+    below 1.5 %, about twice what torch's own bfloat16 attention makes (measured: ours 0.4-0.7 %, torch's
+    0.3-0.5 %). bfloat16 has an 8-bit mantissa, 0.4 % relative rounding per value."""
+    g = gen(31)
+    Q, K, V, grad_out = (torch.randn(2, 4, 150, 16, generator=g) for _ in range(4))
+
+    def outputs_and_gradients(attention, dtype):
+        q, k, v = (t.to(dtype).requires_grad_() for t in (Q, K, V))
+        out = attention(q, k, v)
+        out.backward(grad_out.to(dtype))
+        return [t.detach().double() for t in (out, q.grad, k.grad, v.grad)]
+
+    exact = outputs_and_gradients(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), torch.float64
+    )
+    ours = outputs_and_gradients(causal_attention, torch.bfloat16)
+    for name, e, o in zip(["output", "dQ", "dK", "dV"], exact, ours, strict=True):
+        assert (o - e).norm() / e.norm() < 0.015, name

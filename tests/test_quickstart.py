@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.cli import main
-from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.quickstart import SMALL, steps_that_fit, unigram_entropy
+from scratchlm.run import RunDirectory, RunSummary, StopReason, load_model
+from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.run import RunDirectory, RunSummary, StopReason, load_model
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +106,23 @@ def test_unigram_entropy_against_a_direct_count(out: Path) -> None:
     assert unigram_entropy(np.array([3, 3, 5, 5])) == pytest.approx(math.log(2))
 
 
-def test_loss_curve_png(out: Path) -> None:
-    png = (out / "loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
+def test_loss_curve_png(out: Path, tmp_path: Path) -> None:
+    """loss.png is the picture of the run's metrics: drawn again from `run/metrics.jsonl`, every pixel is the
+    same, and what that drawing plots is every train and validation record of the run."""
+    from matplotlib.image import imread
+
+    from scratchlm.experiments.plot import plot_runs
+    from scratchlm.run import read_metrics
+
+    again = tmp_path / "again.png"
+    drawn = plot_runs([out / "run"], again, labels=["quickstart"])
+    assert np.array_equal(imread(out / "loss.png"), imread(again))
+    metrics = read_metrics(out / "run")
+    for key, name in (("train_loss", "train"), ("val_loss", "val")):
+        points = [r for r in metrics if key in r]
+        assert len(points) >= 2
+        assert drawn["quickstart"][name]["step"] == [r["step"] for r in points]
+        assert drawn["quickstart"][name]["loss"] == [r[key] for r in points]
 
 
 def test_second_run_reuses_everything(out: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,6 @@
 """Options shared by several commands, defined once: the trained model to load (`eval`, `generate`), the
-device, and the repeatable `--set` of the commands that take a training config (`train`, `sweep`)."""
+device, and the config with its repeatable `--set` for the commands that take a training config (`train`,
+`sweep`)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,29 @@ def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
 
 
-def add_set_argument(parser: argparse.ArgumentParser, dest: str, metavar: str, help: str) -> None:
-    parser.add_argument("--set", dest=dest, metavar=metavar, action="append", default=[], help=help)
+def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The training config and its repeatable `--set` overrides: `--config FILE` and `--set KEY=VALUE` into
+    `args.overrides` for `train`; a positional `CONFIG` and `--set KEY=V1,V2,...` (one axis of the grid) into
+    `args.axes` for `sweep`."""
+    if sweep:
+        parser.add_argument("config", metavar="CONFIG", help="base TOML training config")
+        set_help = (
+            "values of one key, one run each (repeatable: the grid of all combinations); a single value "
+            "overrides the key for every run"
+        )
+    else:
+        parser.add_argument("--config", metavar="FILE", help="TOML config (e.g. configs/tiny.toml)")
+        set_help = (
+            "override one config key, e.g. --set optimizer.lr=3e-4 --set training.device=cpu (repeatable)"
+        )
+    parser.add_argument(
+        "--set",
+        dest="axes" if sweep else "overrides",
+        metavar="SECTION.KEY=V1,V2,..." if sweep else "SECTION.KEY=VALUE",
+        action="append",
+        default=[],
+        help=set_help,
+    )
 
 
 def load_model_source(args: argparse.Namespace, tokenizer: str | None = None) -> TrainedModel:

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_set_argument
+from scratchlm.cli.options import add_config_arguments
 
 HELP = "Train one run per combination of --set values; write a results table (markdown) and loss curves."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", metavar="CONFIG", help="base TOML training config")
-    add_set_argument(
-        parser,
-        dest="axes",
-        metavar="SECTION.KEY=V1,V2,...",
-        help="values of one key, one run each (repeatable: the grid of all combinations); a single value "
-        "overrides the key for every run",
-    )
+    add_config_arguments(parser, sweep=True)
     parser.add_argument(
         "--mode",
         choices=["grid", "zip", "one-at-a-time"],

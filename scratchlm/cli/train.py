@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_set_argument
+from scratchlm.cli.options import add_config_arguments
 
 HELP = "Train a Transformer language model on token files (.npy), as a TOML config says."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="TOML config (e.g. configs/tiny.toml)")
-    add_set_argument(
-        parser,
-        dest="overrides",
-        metavar="SECTION.KEY=VALUE",
-        help="override one config key, e.g. --set optimizer.lr=3e-4 --set training.device=cpu (repeatable)",
-    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in logging.run_dir from its latest checkpoint"
     )

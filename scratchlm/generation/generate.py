@@ -20,7 +20,9 @@ loop ends as soon as every row has finished or the token budget is spent.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Int
@@ -133,22 +135,28 @@ def generate(
 
 
 def generate_stream(
-    model: TransformerLM,
-    prompt_ids: Sequence[int] | Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int | None = None,
-    eos_id: int | None = None,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
+    model: TransformerLM, prompt_ids: Sequence[int] | Tensor, max_new_tokens: int, **options: Any
 ) -> Iterator[int]:
-    """Like `generate` for one prompt, but yield each new token id as soon as it is sampled."""
-    prompts = _prepare(model, prompt_ids, max_new_tokens, temperature, top_p, top_k)
+    """Like `generate` for one prompt, with the same keyword options (temperature, top_p, top_k, eos_id,
+    generator, use_cache), but yield each new token id as soon as it is sampled."""
+    for name in options:
+        if name not in _OPTIONS:
+            raise ScratchlmError(
+                f"generate_stream got an unknown option {name!r}; known: {', '.join(_OPTIONS)}"
+            )
+    settings = {**_OPTIONS, **options}
+    prompts = _prepare(
+        model, prompt_ids, max_new_tokens, settings["temperature"], settings["top_p"], settings["top_k"]
+    )
     if prompts.shape[0] != 1:
         raise ScratchlmError(f"generate_stream takes one prompt, got a batch of {prompts.shape[0]}")
-    steps = _generation_steps(
-        model, prompts, max_new_tokens, temperature, top_p, top_k, eos_id, generator, use_cache
-    )
-    for next_tokens, _ in steps:
+    for next_tokens, _ in _generation_steps(model, prompts, max_new_tokens, **settings):
         yield int(next_tokens[0])
+
+
+# The keyword options of `generate` with their defaults: `generate_stream` takes the same ones.
+_OPTIONS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(generate).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
