@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scratchlm import AdamW, cross_entropy, train
-from scratchlm.errors import ScratchlmError
+from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import RunSummary, StopReason
@@ -216,10 +216,12 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
         logging={"log_interval": 3, "run_dir": str(tmp_path / "run")},
     )
     with pytest.raises(
-        ScratchlmError,
+        DivergedError,
         match=r"loss became non-finite by step 6; the last good checkpoint is .*step_00000004\.pt",
-    ):
+    ) as error:
         train(config)
+    assert (error.value.quantity, error.value.step) == ("loss", 6)
+    assert error.value.checkpoint.endswith("step_00000004.pt")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004.pt"]
 
 
@@ -260,3 +262,33 @@ def test_bf16_autocast_trains_like_float32(tmp_path):
     assert max(abs(a - b) for a, b in zip(bf16_losses, fp32_losses, strict=True)) < 0.01
     assert abs(bf16.final_val_loss - fp32.final_val_loss) < 0.01
     assert bf16_losses[-1] < bf16_losses[0] - 0.3
+
+
+def test_the_run_keeps_its_tokenizer_and_a_resume_cannot_swap_it(tmp_path):
+    """With data.tokenizer set, the run directory gets a copy of it and every checkpoint its fingerprint, so
+    `load_trained(run)` alone finds the right tokenizer; resuming with another tokenizer is refused."""
+    from scratchlm.run import load_trained
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+
+    tokenizers = {}
+    for name, text in (("a", "the cat sat on the mat. " * 50), ("b", "lorem ipsum dolor sit amet " * 50)):
+        (tmp_path / f"{name}.txt").write_text(text)
+        vocab, merges = train_bpe(tmp_path / f"{name}.txt", 270, ["<|endoftext|>"], workers=1)
+        tokenizers[name] = Tokenizer(vocab, merges, ["<|endoftext|>"])
+        tokenizers[name].save(tmp_path / f"tok-{name}")
+    config = small_config(
+        tmp_path,
+        model={"vocab_size": 300},
+        data={"tokenizer": str(tmp_path / "tok-a")},
+        training={"max_steps": 4},
+    )
+    train(config)
+    run_dir = tmp_path / "run"
+    assert Tokenizer.from_dir(run_dir / "tokenizer").fingerprint == tokenizers["a"].fingerprint
+    assert final_state(run_dir)["tokenizer_fingerprint"] == tokenizers["a"].fingerprint
+    (tmp_path / "tok-a").rename(tmp_path / "moved")  # the run no longer needs the original
+    assert load_trained(run_dir).tokenizer.fingerprint == tokenizers["a"].fingerprint
+    swapped = config.replace(data={"tokenizer": str(tmp_path / "tok-b")}, training={"max_steps": 8})
+    with pytest.raises(ScratchlmError, match="is not the tokenizer this run was trained with"):
+        train(swapped, resume=True)
