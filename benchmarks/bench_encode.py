@@ -11,7 +11,7 @@ checks that they produce identical ids, then prints throughput and ratios for
 Targets: `Tokenizer.encode` >= 0.5x tiktoken; `scratchlm encode` >= 1.0x; peak memory < 500 MB.
 
     python benchmarks/bench_encode.py                       # corpus built (or reused) in /tmp/scratchlm-bench-encode
-    python benchmarks/bench_encode.py --fixtures ../shared/fixtures --workers 2
+    python benchmarks/bench_encode.py --fixtures tests/fixtures --workers 2
     python benchmarks/bench_encode.py --text big.txt             # any UTF-8 file, e.g. to see start-up amortised
 """
 
@@ -67,7 +67,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/scratchlm-bench-encode"))
     parser.add_argument(
-        "--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+        "--fixtures", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "fixtures"
     )
     parser.add_argument(
         "--workers", type=int, default=None, help="workers of `scratchlm encode` (default: all)"

@@ -23,7 +23,7 @@ from scratchlm.tokenizer.serialization import save_tokenizer
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train import train_bpe
 
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
 
 def as_tiktoken(tokenizer: Tokenizer, name: str) -> tiktoken.Encoding:

@@ -1,30 +1,24 @@
 """Helpers shared by the tests: where the public fixtures live.
 
-Fixtures are read in place from `$SCRATCHLM_FIXTURES` or `../shared/fixtures` beside the project. Outside CI a
-missing fixture skips the test that needs it (a user's fresh clone has none); under `CI=true` it is a failure.
+The fixtures ship with the project in `tests/fixtures/` (their origins and licences are in its README.md) and
+are read from there only. A missing fixture is a plain test failure, never a skip: a fresh clone has them all.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES_DIR = PROJECT_ROOT / "tests" / "fixtures"
 
 
 def fixtures_dir() -> Path:
-    env = os.environ.get("SCRATCHLM_FIXTURES")
-    return Path(env) if env else PROJECT_ROOT.parent / "shared" / "fixtures"
+    return FIXTURES_DIR
 
 
 def fixture_path(name: str) -> Path:
-    """The path of fixture `name`; skips the test (fails under CI) when it is absent."""
-    path = fixtures_dir() / name
-    if not path.exists():
-        message = f"fixture {name} not found in {fixtures_dir()} (set SCRATCHLM_FIXTURES)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    """The path of fixture `name` in `tests/fixtures/`; a missing file fails the test that asked for it."""
+    path = FIXTURES_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"fixture {name} is missing from {FIXTURES_DIR} (the project ships it there)")
     return path
