@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # data
     "build_corpus": "scratchlm.data.corpus",
+    "build_text_corpus": "scratchlm.data.corpus",
     "download_dataset": "scratchlm.data.download",
     "prepare_data": "scratchlm.data.prepare",
     # tokenizer
@@ -43,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     "SGD": "scratchlm.training.optim",
     "AdamW": "scratchlm.training.optim",
     "cosine_lr_schedule": "scratchlm.training.schedule",
+    "wsd_lr_schedule": "scratchlm.training.schedule",
+    "Muon": "scratchlm.training.muon",
     "clip_grad_norm": "scratchlm.training.grad",
     "get_batch": "scratchlm.training.data",
     "load_tokens": "scratchlm.training.data",
@@ -63,6 +66,10 @@ _EXPORTS: dict[str, str] = {
     "TrainedModel": "scratchlm.run",
     "ScratchlmError": "scratchlm.errors",
     "DivergedError": "scratchlm.errors",
+    # into and out of the ecosystem: transformers and llama.cpp
+    "export_hf": "scratchlm.interop.hf",
+    "import_hf": "scratchlm.interop.hf",
+    "export_gguf": "scratchlm.interop.gguf",
     # generation and experiments
     "generate": "scratchlm.generation.generate",
     "generate_stream": "scratchlm.generation.generate",

@@ -17,14 +17,17 @@ from rich.progress import (
 )
 
 # Lines are never wrapped: logs and summaries stay one line each in files and pipes (width 80 there).
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+# Markup is off: messages carry file names, URLs and run names that the user chose, and `data[bold].txt` or
+# `runs/a[/]b` must print as written, not be parsed as style tags (or crash). Colour is asked for with `style=`
+# or `rich.text.Text`; the few messages built only from numbers may pass `markup=True`.
+console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 def progress(transient: bool = False, counter: bool = False) -> Progress:
     """A progress display for long work: description, bar, percentage (or done/total), elapsed, remaining."""
     middle = MofNCompleteColumn() if counter else TaskProgressColumn()
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),  # descriptions name files
         BarColumn(),
         middle,
         TimeElapsedColumn(),

@@ -5,6 +5,8 @@ expected). The CLI prints such errors as one line and exits with status 2, so a 
 traceback; any other exception is a bug and keeps its traceback.
 """
 
+import signal
+
 
 class ScratchlmError(Exception):
     """A user-facing error: bad input, bad configuration, missing or malformed files."""
@@ -24,3 +26,13 @@ class DivergedError(ScratchlmError):
             f"training diverged: the {quantity} became non-finite by step {step}; {kept} "
             "(try a lower optimizer.lr or a longer schedule.warmup_iters)"
         )
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal: Ctrl-C (SIGINT) or a termination request (SIGTERM, sent by `kill`,
+    `timeout`, `docker stop` and cluster schedulers). The command line exits with 128 + `signum`, the shells'
+    convention: 130 and 143. A KeyboardInterrupt, so that code which cleans up after Ctrl-C does so here too."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        self.signum = int(signum)
+        super().__init__(signal.Signals(signum).name)

@@ -4,6 +4,12 @@ Everything the project writes for later use (tokenizers, token arrays, checkpoin
 plots) goes through these helpers: the content is written to a temporary name in the same directory and then
 renamed over the destination with `os.replace`, which is atomic on POSIX file systems. An interrupted write
 leaves at most a stray `*.tmp-*` file, never a truncated output under the real name.
+
+Every output also goes to a place of its own. A directory output (a tokenizer, a run, a quickstart or sweep
+directory) is created, replaced or added to only when it is missing, empty, or recognisably an earlier output
+of the same kind: it holds the marker file `.scratchlm-output` naming that kind, written with the output.
+Anything else in the way is refused with one line naming it, before any work is done. No output may be, or
+contain, an input of the same command (`check_output_file`, `check_output_dir`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -57,15 +63,18 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it replaces `path` (which may already exist)."""
+def atomic_directory(
+    path: str | os.PathLike, kind: str = "output", previous: Callable[[Path], bool] | None = None
+) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success it replaces `path`, which may exist only as an earlier
+    output of the same `kind` (see `check_output_dir`); the new directory carries the marker of `kind`."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ScratchlmError(f"output {path} exists and is not a directory")
+    check_output_dir(path, kind, previous=previous)
     _check_parent_writable(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
+        _write_marker(tmp, kind)
         os.chmod(tmp, _default_mode(0o777))
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -77,3 +86,99 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+OUTPUT_MARKER = ".scratchlm-output"  # in a directory output: the kind of output it is, one line
+
+
+def check_output_dir(
+    path: str | os.PathLike,
+    kind: str,
+    inputs: Iterable[str | os.PathLike] = (),
+    previous: Callable[[Path], bool] | None = None,
+) -> None:
+    """Refuse, with one line, to write the directory output `path` where that would destroy something else.
+
+    `path` may be missing, empty, or an earlier output of `kind`: marked so, or, for outputs written before
+    the marker existed, one that `previous(path)` recognises. It may neither be nor contain one of `inputs`,
+    nor the current directory, which replacing it would pull from under the user's shell."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ScratchlmError(f"output {path} exists and is not a directory")
+    real = Path(os.path.realpath(path))
+    if Path(os.path.realpath(os.curdir)).is_relative_to(real):
+        raise ScratchlmError(
+            f"output directory {path} is the current directory or contains it; name a new directory instead"
+        )
+    for source in inputs:
+        if Path(os.path.realpath(source)).is_relative_to(real):
+            raise ScratchlmError(
+                f"output directory {path} contains the input {source}; write the output somewhere else"
+            )
+    entries = sorted(os.listdir(path)) if path.is_dir() else []
+    if not entries or _marker(path) == kind or (previous is not None and previous(path)):
+        return
+    other = _marker(path)
+    if other:
+        raise ScratchlmError(
+            f"output directory {path} holds a scratchlm {other} output, not a {kind}; choose another directory"
+        )
+    shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+    raise ScratchlmError(
+        f"output directory {path} already holds {shown}, which is not an earlier {kind} output; "
+        "choose a new or empty directory (nothing was changed)"
+    )
+
+
+def claim_output_dir(
+    path: str | os.PathLike,
+    kind: str,
+    inputs: Iterable[str | os.PathLike] = (),
+    previous: Callable[[Path], bool] | None = None,
+) -> Path:
+    """`check_output_dir`, then create the directory (if needed) and mark it as a `kind` output, for
+    directories that are written file by file rather than replaced whole."""
+    path = Path(path)
+    check_output_dir(path, kind, inputs, previous)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ScratchlmError(f"cannot create directory {path}: {e.strerror}") from None
+    if _marker(path) != kind:
+        _write_marker(path, kind)
+    return path
+
+
+def check_output_file(
+    path: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike] = (),
+    previous: Callable[[Path], bool] | None = None,
+    what: str = "output",
+) -> None:
+    """Refuse, with one line, to write the file output `path` over one of `inputs` (by any name: a link
+    counts) or, when `previous` is given, over an existing file it does not recognise as an earlier `what`."""
+    path = Path(path)
+    if path.is_dir():
+        raise ScratchlmError(f"output {path} is a directory, expected a file path")
+    for source in inputs:
+        if os.path.realpath(source) == os.path.realpath(path) or (
+            path.exists() and Path(source).exists() and os.path.samefile(source, path)
+        ):
+            raise ScratchlmError(f"output {path} is the input {source}; writing it would destroy the input")
+    if previous is not None and path.exists() and not previous(path):
+        raise ScratchlmError(
+            f"output {path} already exists and is not {what}; refusing to overwrite it (choose another name)"
+        )
+
+
+def _marker(path: Path) -> str:
+    """The kind of output the marker in `path` names; "" when there is none (or it cannot be read)."""
+    try:
+        return (path / OUTPUT_MARKER).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _write_marker(path: Path, kind: str) -> None:
+    with atomic_write(path / OUTPUT_MARKER, "w") as f:
+        f.write(kind + "\n")

@@ -1,11 +1,13 @@
-"""The whole pipeline in one call, on a corpus every Python installation carries: no download needed.
+"""The whole pipeline in one call, on a corpus every Python installation carries (no download needed), or on
+the user's own text (`text`: files or directories).
 
     corpus (stdlib sources) -> BPE tokenizer -> train.npy / valid.npy -> a small model trained for a time budget
     -> its loss on the whole validation file -> samples -> loss-curve PNG -> summary
 
-Everything goes under one output directory:
+Everything goes under one output directory, which must be new, empty or an earlier quickstart's (anything else
+there is refused, never overwritten):
 
-    OUT/corpus/       train.txt, valid.txt              (scratchlm.data.corpus)
+    OUT/corpus/       train.txt, valid.txt, source.json (scratchlm.data.corpus)
     OUT/data/         tokenizer/, train.npy, valid.npy  (scratchlm.data.prepare)
     OUT/run/          config.toml, metrics.jsonl, checkpoints/, summary.json  (scratchlm.training)
     OUT/schedule.json the number of steps that fit the time budget on this machine
@@ -15,6 +17,9 @@ Everything goes under one output directory:
 Each stage reuses what an earlier run finished (every output is written atomically, so one that exists is
 whole): a second run skips straight to evaluation and samples, and an interrupted training run resumes from
 its last checkpoint.
+
+The model trains with one of `RECIPES`: "fast" (the default; docs/experiments.md, "A faster recipe") or
+"spec", the specification's.
 
 The validation loss is printed beside the unigram entropy of the validation tokens: the loss, in nats per
 token, of the best model that ignores context. The distance between the two is what the model learnt from
@@ -32,15 +37,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.text import Text
 
 from scratchlm.console import console, format_seconds
-from scratchlm.data.corpus import build_corpus
+from scratchlm.data.corpus import build_corpus, build_text_corpus
 from scratchlm.data.prepare import PreparedData, prepare_data
 from scratchlm.device import resolve_device
 from scratchlm.errors import ScratchlmError
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.generation.generate import generate
-from scratchlm.io import atomic_write
+from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.config import TrainConfig
@@ -99,6 +105,18 @@ CALIBRATION_STEPS = 20
 PROMPTS = ("import", "def read_config(path):\n", "class Stack:\n")
 
 
+def text_prompts(valid_text: Path, count: int = 3, words: int = 4) -> list[str]:
+    """Prompts for the user's text: the first `words` words of each of the first `count` held-out documents."""
+    prompts: list[str] = []
+    for document in valid_text.read_text(encoding="utf-8").split(END_OF_TEXT):
+        prompt = " ".join(document.split()[:words])
+        if prompt and prompt not in prompts:
+            prompts.append(prompt)
+        if len(prompts) == count:
+            break
+    return prompts
+
+
 def unigram_entropy(ids: np.ndarray) -> float:
     """Entropy in nats of the token frequencies of `ids`: the loss of a model that ignores context."""
     counts = np.bincount(np.asarray(ids, dtype=np.int64))
@@ -106,30 +124,63 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+#: The training recipes of `--recipe`, as changes to `train_config`'s sections. "spec": the specification's
+#: model, AdamW and cosine schedule. "fast": the recipe of docs/experiments.md ("A faster recipe"): Muon for
+#: the hidden matrices and AdamW with rates of their own for embeddings, head and gains, QK-norm, ReLU²,
+#: zero-initialised output projections, logit soft-capping and a warm-up / stable / decay schedule.
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    "spec": {},
+    "fast": {
+        "model": {"qk_norm": True, "ffn": "relu2", "zero_init": True, "logit_softcap": 15.0},
+        "optimizer": {
+            "name": "muon",
+            "lr": 0.01,
+            "min_lr": 0.0,
+            "muon_lr": 0.03,
+            "embedding_lr": 0.05,
+            "head_lr": 0.004,
+            "betas": [0.8, 0.95],
+            "weight_decay": 0.0,
+        },
+        "schedule": {"kind": "wsd", "decay_fraction": 0.5},
+    },
+}
+DEFAULT_RECIPE = "fast"
+
+
 def train_config(
-    size: QuickstartSize, data: PreparedData, run_dir: Path, seconds: float, device: str, max_steps: int
+    size: QuickstartSize,
+    data: PreparedData,
+    run_dir: Path,
+    seconds: float,
+    device: str,
+    max_steps: int,
+    recipe: str = "spec",
 ) -> TrainConfig:
-    """The training configuration of the quickstart's model."""
-    return TrainConfig.from_dict(
-        {
-            "data": {"train": str(data.train), "valid": str(data.valid), "tokenizer": str(data.tokenizer)},
-            "model": {"vocab_size": size.vocab_size, **size.model},
-            "optimizer": {"lr": size.lr, "min_lr": size.lr / 10, "weight_decay": 0.1, "grad_clip": 1.0},
-            "schedule": {"warmup_iters": size.warmup_iters},
-            "training": {
-                "batch_size": size.batch_size,
-                "max_steps": max_steps,
-                "max_time_s": seconds,
-                "device": device,
-                "precision": "bf16",
-                "compile": size.compile or device.startswith("cuda"),
-                "seed": 0,
-            },
-            "eval": {"interval": size.eval_interval, "iters": 5},
-            "checkpoint": {"interval": 100},
-            "logging": {"run_dir": str(run_dir), "log_interval": 5},
-        }
-    )
+    """The training configuration of the quickstart's model, trained with `recipe` (a key of `RECIPES`)."""
+    if recipe not in RECIPES:
+        raise ScratchlmError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    values: dict[str, dict[str, Any]] = {
+        "data": {"train": str(data.train), "valid": str(data.valid), "tokenizer": str(data.tokenizer)},
+        "model": {"vocab_size": size.vocab_size, **size.model},
+        "optimizer": {"lr": size.lr, "min_lr": size.lr / 10, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"warmup_iters": size.warmup_iters},
+        "training": {
+            "batch_size": size.batch_size,
+            "max_steps": max_steps,
+            "max_time_s": seconds,
+            "device": device,
+            "precision": "bf16",
+            "compile": size.compile or device.startswith("cuda"),
+            "seed": 0,
+        },
+        "eval": {"interval": size.eval_interval, "iters": 5},
+        "checkpoint": {"interval": 100},
+        "logging": {"run_dir": str(run_dir), "log_interval": 5},
+    }
+    for section, changes in RECIPES[recipe].items():
+        values[section] = values[section] | changes
+    return TrainConfig.from_dict(values)
 
 
 @dataclass(frozen=True)
@@ -151,23 +202,33 @@ class QuickstartResult:
 
 
 def quickstart(
-    out_dir: str | Path = "runs/quickstart", minutes: float = 5.0, small: bool = False, device: str = "auto"
+    out_dir: str | Path = "runs/quickstart",
+    minutes: float = 5.0,
+    small: bool = False,
+    device: str = "auto",
+    recipe: str = DEFAULT_RECIPE,
+    text: list[str | Path] | None = None,
 ) -> QuickstartResult:
-    """Build the corpus, tokenizer and token files, train for `minutes`, evaluate, sample and plot."""
+    """Build the corpus (the standard library's sources, or the files and directories of `text`), tokenizer
+    and token files, train for `minutes` with `recipe`, evaluate, sample and plot."""
     if not minutes > 0:
         raise ScratchlmError(f"--minutes must be positive, got {minutes}")
+    if recipe not in RECIPES:
+        raise ScratchlmError(f"--recipe must be one of {', '.join(RECIPES)}; got {recipe!r}")
     device = str(resolve_device(device))
     started = time.perf_counter()
     size = SMALL if small else FULL
-    out_dir = Path(out_dir)
+    out_dir = claim_output_dir(out_dir, QUICKSTART_KIND, text or (), previous=_is_unmarked_quickstart)
 
-    data = build_data(out_dir, size)
+    data = build_data(out_dir, size, text)
     train_ids, valid_ids = np.load(data.train, mmap_mode="r"), np.load(data.valid, mmap_mode="r")
     console.print(f"train {len(train_ids):,} tokens, valid {len(valid_ids):,} tokens")
 
     _stage(3, f"training (at most {format_seconds(minutes * 60)})")
     run_dir = out_dir / "run"
-    summary = train_within_budget(size, data, run_dir, minutes * 60, device, out_dir / "schedule.json")
+    summary = train_within_budget(
+        size, data, run_dir, minutes * 60, device, out_dir / "schedule.json", recipe
+    )
 
     _stage(4, "validation loss on the whole validation file")
     trained = load_trained(run_dir, device=device, tokenizer=data.tokenizer)
@@ -181,7 +242,7 @@ def quickstart(
     _stage(5, "samples (temperature 0.8, top-p 0.95)")
     eos = tokenizer.token_id(END_OF_TEXT)
     generator = torch.Generator(device=device).manual_seed(0)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt"):
         new_ids = generate(
             model,
             tokenizer.encode(prompt),
@@ -195,7 +256,7 @@ def quickstart(
         console.rule(f"prompt {prompt!r}")
         console.print(prompt + tokenizer.decode(new_ids[:-1] if ended else new_ids), markup=False)
         if ended:
-            console.print("[dim](end of document)[/]")
+            console.print("(end of document)", style="dim")
     console.rule()
 
     _stage(6, "loss curve")
@@ -225,16 +286,43 @@ def quickstart(
     return quick
 
 
-def build_data(out_dir: Path, size: QuickstartSize) -> PreparedData:
-    """Stages 1 and 2: the corpus in `out_dir/corpus`, the tokenizer and token ids in `out_dir/data`."""
-    _stage(1, "corpus: the Python standard library's sources")
+QUICKSTART_KIND = "quickstart"  # the output marker of its directory (scratchlm.io)
+QUICKSTART_ENTRIES = {"corpus", "data", "run", "schedule.json", "loss.png", "quickstart.json"}
+
+
+def _is_unmarked_quickstart(out_dir: Path) -> bool:
+    """A quickstart directory written before directories were marked: its corpus and nothing but its own."""
+    entries = {p.name for p in out_dir.iterdir()}
+    return "corpus" in entries and entries <= QUICKSTART_ENTRIES
+
+
+def build_data(out_dir: Path, size: QuickstartSize, text: list[str | Path] | None = None) -> PreparedData:
+    """Stages 1 and 2: the corpus in `out_dir/corpus` (the standard library's sources, or the user's `text`
+    files and directories), the tokenizer and token ids in `out_dir/data`."""
+    _stage(1, "corpus: " + ("the Python standard library's sources" if text is None else "your text"))
     corpus_dir = out_dir / "corpus"
     train_text, valid_text = corpus_dir / "train.txt", corpus_dir / "valid.txt"
+    # Where the corpus came from, so that a directory built from one source is never reused for another.
+    source = {"text": None if text is None else [str(Path(t).resolve()) for t in text]}
+    source_file = corpus_dir / "source.json"
     if train_text.exists() and valid_text.exists():
+        built = json.loads(source_file.read_text()) if source_file.exists() else {"text": None}
+        if built != source:
+            raise ScratchlmError(
+                f"{corpus_dir} was built from {built['text'] or 'the standard library'}, not from "
+                f"{source['text'] or 'the standard library'}; use another --out"
+            )
         console.print(f"reusing {corpus_dir}")
     else:
-        corpus = build_corpus(corpus_dir, max_bytes=size.corpus_bytes)
-        console.print(f"{corpus.train_documents:,} training files, {corpus.valid_documents:,} held-out files")
+        if text is None:
+            corpus = build_corpus(corpus_dir, max_bytes=size.corpus_bytes)
+        else:
+            corpus = build_text_corpus(text, corpus_dir, max_bytes=size.corpus_bytes)
+        with atomic_write(source_file, "w") as f:
+            json.dump(source, f)
+        console.print(
+            f"{corpus.train_documents:,} training documents, {corpus.valid_documents:,} held-out documents"
+        )
     console.print(
         f"train {train_text.stat().st_size / 1e6:.1f} MB, valid {valid_text.stat().st_size / 1e6:.2f} MB "
         f"(files joined by {END_OF_TEXT})"
@@ -244,24 +332,32 @@ def build_data(out_dir: Path, size: QuickstartSize) -> PreparedData:
 
 
 def train_within_budget(
-    size: QuickstartSize, data: PreparedData, run_dir: Path, seconds: float, device: str, schedule_file: Path
+    size: QuickstartSize,
+    data: PreparedData,
+    run_dir: Path,
+    seconds: float,
+    device: str,
+    schedule_file: Path,
+    recipe: str = "spec",
 ) -> RunSummary:
-    """Train (or resume, or reuse) the quickstart's model; returns the run's summary.
+    """Train (or resume, or reuse) the quickstart's model with `recipe`; returns the run's summary.
 
     A cosine schedule needs a step count, a time budget gives seconds, and how many steps fit depends on the
     machine. So when `size.max_steps` is None the run is made in two parts: the first `CALIBRATION_STEPS`
     steps (inside the warm-up, whose learning rate does not depend on the run's length) measure this
     machine's speed, then the run resumes with the schedule sized to the steps that fit in the rest of the
-    budget, recorded in `schedule_file`. The time budget stays a hard limit across both parts.
+    budget, recorded in `schedule_file`. The time budget stays a hard limit across both parts. (The stable
+    phase of a WSD schedule does not depend on the length either, but its warm-up comes first.)
     """
     run = RunDirectory(run_dir)
+    _check_recipe(run, train_config(size, data, run_dir, seconds, device, 1, recipe), recipe)
     if size.max_steps is not None:
         total = size.max_steps
     elif schedule_file.exists():
         total = json.loads(schedule_file.read_text())["max_steps"]
     else:
         assert size.warmup_iters >= CALIBRATION_STEPS, "the measured steps must lie inside the warm-up"
-        config = train_config(size, data, run_dir, seconds, device, CALIBRATION_STEPS)
+        config = train_config(size, data, run_dir, seconds, device, CALIBRATION_STEPS, recipe)
         console.print(f"{CALIBRATION_STEPS} steps to measure this machine's speed")
         measured = train(config, resume=run.latest_checkpoint() is not None)
         total = steps_that_fit(run_dir, measured, seconds, size.batch_size * size.model["context_length"])
@@ -273,7 +369,19 @@ def train_within_budget(
         console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
         return summary
     resume = run.latest_checkpoint() is not None
-    return train(train_config(size, data, run_dir, seconds, device, total), resume=resume)
+    return train(train_config(size, data, run_dir, seconds, device, total, recipe), resume=resume)
+
+
+def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
+    """A run directory holds one recipe's model: reusing or resuming it with another would mix the two."""
+    if not run.config.exists():
+        return
+    trained = TrainConfig.load(run.config)
+    if any(getattr(trained, name) != getattr(config, name) for name in ("model", "optimizer", "schedule")):
+        raise ScratchlmError(
+            f"{run} holds a model trained with another recipe or size than --recipe {recipe}; "
+            "use another --out, or delete it to train again"
+        )
 
 
 def steps_that_fit(run_dir: Path, measured: RunSummary, seconds: float, tokens_per_step: int) -> int:
@@ -295,7 +403,7 @@ def steps_that_fit(run_dir: Path, measured: RunSummary, seconds: float, tokens_p
 
 
 def _stage(number: int, title: str) -> None:
-    console.rule(f"[bold]{number}/6  {title}", align="left")
+    console.rule(Text(f"{number}/6  {title}", style="bold"), align="left")
 
 
 def _print_summary(result: QuickstartResult) -> None:
@@ -314,10 +422,10 @@ def _print_summary(result: QuickstartResult) -> None:
         ("unigram entropy", f"{result.unigram_entropy:.4f} nats/token (a model that ignores context)"),
         ("total time", format_seconds(result.wall_seconds)),
     ]
-    console.rule("[bold]summary", align="left")
+    console.rule(Text("summary", style="bold"), align="left")
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         # One line per figure, never cut: paths are meant to be copied.
         console.print(f"{name:<{width}}  {value}", markup=False, soft_wrap=True)
     if not math.isfinite(result.val_loss):
-        console.print("[red]the validation loss is not finite: training diverged[/]")
+        console.print("the validation loss is not finite: training diverged", style="red")

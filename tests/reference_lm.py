@@ -29,25 +29,26 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.c = c
-        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (
-            nn.Linear(c.d_model, c.d_model, bias=False) for _ in range(4)
-        )
+        kv_dim = c.kv_heads * c.head_dim
+        self.q_proj, self.output_proj = (nn.Linear(c.d_model, c.d_model, bias=False) for _ in range(2))
+        self.k_proj, self.v_proj = (nn.Linear(c.d_model, kv_dim, bias=False) for _ in range(2))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         *batch, seq, d = x.shape
         h = self.c.num_heads
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(*batch, seq, h, d // h).transpose(-2, -3)
+            return t.reshape(*batch, seq, -1, d // h).transpose(-2, -3)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         if self.c.positions == "rope":
             pos = torch.arange(seq)
             q, k = complex_rope(q, pos, self.c.rope_theta), complex_rope(k, pos, self.c.rope_theta)
+        gqa = self.c.kv_heads < h  # grouped-query attention: torch repeats each K/V head over its group
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.output_proj(out.transpose(-2, -3).reshape(*batch, seq, d))
 
 

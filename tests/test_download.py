@@ -28,6 +28,7 @@ class ServerState:
     cut_after: int | None = None  # close the connection after sending this many body bytes...
     cuts_left: int = 0  # ...in this many responses
     ignore_range: bool = False
+    types: dict[str, str] = field(default_factory=dict)  # Content-Type to send, by path
     requests: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
 
 
@@ -58,6 +59,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_response(200)
             payload = body
+        if self.path in state.types:
+            self.send_header("Content-Type", state.types[self.path])
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         if state.cuts_left and state.cut_after is not None:
@@ -233,3 +236,44 @@ def test_cli_download_and_its_errors(server, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().count("\n") == 0 and "HTTP 404" in err
+
+
+HTML_PAGE = b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>Sign in to continue</body></html>\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "message"),
+    [
+        (HTML_PAGE, "text/html; charset=utf-8", "sent a web page"),
+        (HTML_PAGE, "text/plain", "sent a web page"),  # an error page served as the file's type
+        (b"", "text/plain", "sent an empty file"),
+    ],
+    ids=["html", "html as text", "empty"],
+)
+def test_a_wrong_body_is_never_saved_as_the_file(server, tmp_path, body, content_type, message):
+    base, state = server
+    state.files["/f.txt"], state.types["/f.txt"] = body, content_type
+    with pytest.raises(ScratchlmError, match=f"{message}.*nothing was saved"):
+        download_file(f"{base}/f.txt", tmp_path / "f.txt")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_gz_download_that_is_not_gzip_is_refused_before_it_is_written(server, tmp_path):
+    base, state = server
+    serve_dataset(state, "owt-sample", [b"train", b"valid"])
+    state.files[f"/{DATASETS['owt-sample'][0].path}"] = HTML_PAGE.replace(b"<!DOCTYPE html>", b"Not found")
+    with pytest.raises(ScratchlmError, match="does not start like a gzip file"):
+        download_dataset("owt-sample", tmp_path, base_url=base)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_resumed_download_keeps_its_part_file_when_the_server_turns_to_html(server, tmp_path):
+    base, state = server
+    state.files["/f.bin"] = data = random_bytes(20_000, seed=8)
+    state.cut_after, state.cuts_left = 5_000, 1
+    with pytest.raises(ScratchlmError, match="run the command again"):
+        download_file(f"{base}/f.bin", tmp_path / "f.bin", attempts=1)
+    state.files["/f.bin"], state.types["/f.bin"], state.ignore_range = HTML_PAGE, "text/html", True
+    with pytest.raises(ScratchlmError, match="sent a web page"):
+        download_file(f"{base}/f.bin", tmp_path / "f.bin", attempts=1)
+    assert (tmp_path / "f.bin.part").read_bytes() == data[:5_000]  # what arrived before is kept

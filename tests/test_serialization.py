@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.io import OUTPUT_MARKER
 from scratchlm.tokenizer.serialization import (
     MERGES_FILE,
     SPECIAL_TOKENS_FILE,
@@ -127,13 +128,15 @@ def test_saved_files_load_in_hf_tokenizers(tmp_path: Path) -> None:
     assert hf.decode(encoding.ids) == "hello world"
 
 
-def test_saving_replaces_the_directory_as_a_whole(tmp_path: Path) -> None:
+def test_saving_replaces_an_earlier_tokenizer_as_a_whole(tmp_path: Path) -> None:
     out = tmp_path / "tok"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an earlier run")
     vocab = {i: bytes([i]) for i in range(256)}
+    save_tokenizer(out, vocab, [(b"a", b"b")], [])
+    (out / "stale.txt").write_text("from an earlier run")
     save_tokenizer(out, vocab, [], [])
-    assert sorted(p.name for p in out.iterdir()) == sorted([VOCAB_FILE, MERGES_FILE, SPECIAL_TOKENS_FILE])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [VOCAB_FILE, MERGES_FILE, SPECIAL_TOKENS_FILE, OUTPUT_MARKER]
+    )
     # A vocabulary that cannot be written fails before touching the existing directory.
     with pytest.raises(ScratchlmError, match="two ids, 97 and 256"):
         save_tokenizer(out, {**vocab, 256: b"a"}, [], [])

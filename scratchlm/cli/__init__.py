@@ -3,16 +3,23 @@
 Each sub-command lives in its own module of this package, which defines `HELP` (one line), `add_arguments(parser)`
 and `run(args) -> int | None`. Command modules import heavy libraries (torch, numpy) inside `run`, so that
 `scratchlm --help` answers at once. A `ScratchlmError` (a user mistake) is printed as one line and exits with
-status 2; Ctrl-C exits with 130.
+status 2. Ctrl-C (SIGINT) and SIGTERM (`kill`, `timeout`, `docker stop`, a scheduler) both unwind the command
+like an exception, so partial outputs are removed and worker processes stopped, and exit with 128 + the
+signal's number: 130 and 143. `scratchlm train` first saves a checkpoint (see `scratchlm.training.trainer`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
-from scratchlm.errors import ScratchlmError
+from scratchlm.errors import Interrupted, ScratchlmError
 
 # command name -> module under scratchlm.cli, in the order a user meets them.
 COMMANDS: dict[str, str] = {
@@ -24,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "train": "train",
     "eval": "eval",
     "generate": "generate",
+    "export": "export",
+    "import-hf": "import_hf",
     "plot": "plot",
     "sweep": "sweep",
     "accounting": "accounting",
@@ -48,13 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        status = args._run(args)
+        with _sigterm_interrupts():
+            status = args._run(args)
     except ScratchlmError as e:
+        from rich.text import Text
+
         from scratchlm.console import console
 
-        console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+        console.print(Text.assemble(("error:", "bold red"), f" {e}"), highlight=False, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
     return int(status or 0)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises `Interrupted` while a command runs (by default it would end the process on the spot,
+    leaving temporary files and orphaned worker processes behind)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

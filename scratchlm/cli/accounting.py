@@ -16,7 +16,7 @@ import sys
 
 HELP = "Count parameters, FLOPs per matmul, AdamW training memory and training time for a model shape."
 
-SHAPE_FLAGS = ("vocab_size", "context_length", "num_layers", "d_model", "num_heads", "d_ff")
+SHAPE_FLAGS = ("vocab_size", "context_length", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> None:
 
     out.print(
         f"[bold]{args.preset or 'model'}[/]: vocab {config.vocab_size:,}, context {config.context_length:,}, "
-        f"{config.num_layers} layers, d_model {config.d_model:,}, {config.num_heads} heads, d_ff {config.d_ff:,}, "
+        f"{config.num_layers} layers, d_model {config.d_model:,}, {config.num_heads} heads"
+        f"{f' ({config.kv_heads} key/value heads)' if config.num_kv_heads else ''}, d_ff {config.d_ff:,}, "
         f"{config.ffn}, {config.norm}-norm{', tied embeddings' if config.tie_embeddings else ''}"
     )
     out.print(parameters_table(config))

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> None:
     perplexity = f"{result.perplexity:.3f}" if result.perplexity < 1e6 else f"{result.perplexity:.3e}"
     print(f"loss {result.loss:.4f}  perplexity {perplexity}")
     console.print(
-        f"[dim]{args.data}: {result.tokens:,} predicted tokens in {result.windows:,} windows, "
-        f"{seconds:.1f} s ({result.tokens / max(seconds, 1e-9):,.0f} tokens/s)[/]"
+        f"{args.data}: {result.tokens:,} predicted tokens in {result.windows:,} windows, "
+        f"{seconds:.1f} s ({result.tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+        style="dim",
     )

@@ -112,5 +112,6 @@ def run(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - start
         ending = END_OF_TEXT if count and token == eos_id else "token budget"
         console.print(
-            f"[dim]{count} tokens in {seconds:.2f} s: {count / max(seconds, 1e-9):.1f} tokens/s (stopped at {ending})[/]"
+            f"{count} tokens in {seconds:.2f} s: {count / max(seconds, 1e-9):.1f} tokens/s (stopped at {ending})",
+            style="dim",
         )

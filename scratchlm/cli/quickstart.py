@@ -6,7 +6,10 @@ import argparse
 
 from scratchlm.cli.options import add_device_argument
 
-HELP = "Train a tokenizer and a small model on the Python standard library's sources, evaluate and sample."
+HELP = (
+    "Train a tokenizer and a small model on the Python standard library's sources (or on your own text), "
+    "evaluate and sample."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,10 +28,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a tiny corpus, vocabulary and model: the whole pipeline in seconds",
     )
+    parser.add_argument(
+        "--recipe",
+        choices=("fast", "spec"),
+        default="fast",
+        help="fast: Muon, QK-norm, ReLU², zero init, logit soft-capping, WSD schedule (docs/experiments.md); "
+        "spec: the specification's AdamW + cosine (default: fast)",
+    )
+    parser.add_argument(
+        "--text",
+        nargs="+",
+        metavar="PATH",
+        help="train on your own UTF-8 text: files or directories; documents are separated by <|endoftext|> "
+        "where it appears, else one per file; about 5%% of them are held out for validation",
+    )
     add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:
     from scratchlm.quickstart import quickstart
 
-    quickstart(args.out, minutes=args.minutes, small=args.small, device=args.device)
+    quickstart(
+        args.out,
+        minutes=args.minutes,
+        small=args.small,
+        device=args.device,
+        recipe=args.recipe,
+        text=args.text,
+    )

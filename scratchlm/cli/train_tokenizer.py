@@ -30,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="a special token, e.g. '<|endoftext|>' (repeatable); never merged, and it splits the text",
     )
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (replaced atomically)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output directory: new, empty, or an earlier tokenizer (replaced atomically); other files are refused",
+    )
     parser.add_argument(
         "--workers", type=int, metavar="K", help="pre-tokenizing processes (default: every available core)"
     )
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
         if len(token.encode("utf-8")) == 1:
             raise ScratchlmError(f"special token {token!r} is a single byte, which is already a token")
     out = Path(args.out)
-    _check_output(out)
+    _check_output(out, Path(args.input))
 
     start = time.perf_counter()
     vocab, merges = train_bpe(
@@ -75,12 +80,13 @@ def run(args: argparse.Namespace) -> None:
     console.print("\n".join(lines), soft_wrap=True)
 
 
-def _check_output(out: Path) -> None:
-    """Fail before training, not after, when the output directory cannot be written."""
+def _check_output(out: Path, source: Path) -> None:
+    """Fail before training, not after, when the output directory cannot be written or is not the
+    tokenizer's to replace."""
     from scratchlm.errors import ScratchlmError
+    from scratchlm.tokenizer.serialization import check_tokenizer_output
 
-    if out.exists() and not out.is_dir():
-        raise ScratchlmError(f"output {out} exists and is not a directory")
+    check_tokenizer_output(out, [source])
     ancestor = out.absolute().parent
     while not ancestor.exists():
         ancestor = ancestor.parent

@@ -8,6 +8,11 @@ afresh. The expected size comes from `Content-Length` (200) or the total of `Con
 complete. A `.gz` download is decompressed in a stream (the gzip trailer's CRC-32 and length check the
 content) into the final name, again atomically, and the compressed file is removed.
 
+What arrives is checked before it is kept: a status other than 200 or 206, an HTML page (a login wall, a
+mirror's error page served with status 200), an empty body, a `.gz` file that does not start with the gzip
+magic bytes, or fewer bytes than the server announced are refused with one line, and none of it is renamed
+into place.
+
 Each file is skipped once its final name exists, so running the command again finishes what is missing.
 The base URL defaults to `$HF_ENDPOINT` or `https://huggingface.co`, so a mirror works unchanged.
 """
@@ -113,7 +118,7 @@ def download_file(url: str, dest: str | Path, *, attempts: int = 3, timeout: flo
                 raise ScratchlmError(
                     f"download of {url} stopped ({e}); run the command again to resume from {part}"
                 ) from None
-            console.print(f"[yellow]{e}; resuming ({attempt}/{attempts - 1})[/]")
+            console.print(f"{e}; resuming ({attempt}/{attempts - 1})", style="yellow")
     os.replace(part, dest)
     return dest
 
@@ -144,7 +149,9 @@ def _fetch_into(url: str, part: Path, timeout: float) -> None:
         ) from None
     except (TimeoutError, ConnectionError, http.client.HTTPException) as e:
         raise _Interrupted(f"connection failed: {e!r}") from None
+    name = part.name.removesuffix(".part")
     with response:
+        _check_response(url, response, name)
         if response.status == 206:
             start, total = _parse_content_range(response.headers.get("Content-Range", ""), url)
             if start != offset:
@@ -153,27 +160,64 @@ def _fetch_into(url: str, part: Path, timeout: float) -> None:
         else:  # 200: the whole file, whatever we asked for
             if offset:
                 console.print(
-                    f"[yellow]{urlparse(url).netloc} ignored the resume request; "
-                    "downloading from the start[/]"
+                    f"{urlparse(url).netloc} ignored the resume request; downloading from the start",
+                    style="yellow",
                 )
             offset = 0
             length = response.headers.get("Content-Length")
             total = int(length) if length is not None else None
             mode = "wb"
         received = offset
-        with open(part, mode) as f, _byte_progress() as bar:
-            task = bar.add_task(part.name.removesuffix(".part"), total=total, completed=offset)
+        with _byte_progress() as bar:
+            task = bar.add_task(name, total=total, completed=offset)
             try:
-                while chunk := response.read(CHUNK_BYTES):
-                    f.write(chunk)
-                    received += len(chunk)
-                    bar.update(task, completed=received)
+                chunk = response.read(CHUNK_BYTES)
+                if not offset:
+                    _check_start(url, chunk, name)  # before anything is written
+                with open(part, mode) as f:
+                    while chunk:
+                        f.write(chunk)
+                        received += len(chunk)
+                        bar.update(task, completed=received)
+                        chunk = response.read(CHUNK_BYTES)
             except (TimeoutError, ConnectionError, http.client.HTTPException) as e:
                 raise _Interrupted(f"connection lost: {e!r}") from None
     if total is not None and received != total:
         raise _Interrupted(f"received {received:,} of {total:,} bytes")
+    if received == 0:
+        part.unlink()
+        raise ScratchlmError(f"{url}: the server sent an empty file; nothing was saved")
     if not console.is_terminal:
         console.print(f"downloaded {url} ({received:,} bytes)")
+
+
+def _check_response(url: str, response: http.client.HTTPResponse, name: str) -> None:
+    """Refuse, before anything is written, an answer that cannot be the file `name`."""
+    if response.status not in (200, 206):
+        raise ScratchlmError(
+            f"{url}: HTTP {response.status} {response.reason}, expected the file; nothing was saved"
+        )
+    content_type = response.headers.get("Content-Type", "")
+    if content_type.split(";")[0].strip().lower() in ("text/html", "application/xhtml+xml"):
+        raise ScratchlmError(
+            f"{url}: the server sent a web page ({content_type}), not {name}; nothing was saved "
+            "(check the address, --base-url or HF_ENDPOINT)"
+        )
+
+
+def _check_start(url: str, first: bytes, name: str) -> None:
+    """Refuse a body whose first bytes cannot begin the file `name`: an HTML page served as another type, or
+    a `.gz` file without the gzip magic bytes."""
+    head = first[:64].lstrip().lower()
+    if head.startswith((b"<!doctype html", b"<html")):
+        raise ScratchlmError(
+            f"{url}: the server sent a web page, not {name}; nothing was saved "
+            "(check the address, --base-url or HF_ENDPOINT)"
+        )
+    if name.endswith(".gz") and not first.startswith(b"\x1f\x8b"):
+        raise ScratchlmError(
+            f"{url}: the body does not start like a gzip file, so it is not {name}; nothing was saved"
+        )
 
 
 def _parse_content_range(value: str, url: str) -> tuple[int, int | None]:
@@ -219,7 +263,7 @@ def decompress_gzip(source: Path, dest: Path) -> Path:
 
 def _byte_progress() -> Progress:
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),

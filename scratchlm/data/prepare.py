@@ -73,7 +73,7 @@ def prepare_data(
             json.dump({"vocab_size": vocab_size}, f)
         console.print(f"  {len(merges):,} merges in {format_seconds(time.perf_counter() - start)}")
         if len(vocab) < vocab_size:
-            console.print(f"  [yellow]the text ran out of pairs to merge: {len(vocab):,} tokens[/]")
+            console.print(f"  the text ran out of pairs to merge: {len(vocab):,} tokens", style="yellow")
     else:
         if request_file.exists():
             existing = json.loads(request_file.read_text())["vocab_size"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.io import atomic_write
+from scratchlm.io import atomic_write, check_output_file
 from scratchlm.run.metrics import read_metrics
 
 # loss key in metrics.jsonl -> curve name
@@ -39,6 +39,12 @@ def loss_curves(records: list[dict[str, Any]]) -> dict[str, dict[str, list[float
     return curves
 
 
+def _is_png(path: Path) -> bool:
+    """Whether `path` is a PNG image (an earlier plot, which may be replaced) rather than other data."""
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def plot_runs(
     run_dirs: Sequence[str | Path],
     out: str | Path,
@@ -52,6 +58,7 @@ def plot_runs(
     Returns what was drawn, read back from the figure's lines: `{label: {"train"|"val": {"step": [...],
     "minutes": [...], "loss": [...]}}}` (only the curves a run has, only finite points).
     """
+    check_output_file(out, previous=_is_png, what="a PNG image")  # e.g. a run's metrics.jsonl, mistyped
     # A bare Figure on the Agg canvas: no pyplot global state, no display and no GUI toolkit needed.
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg

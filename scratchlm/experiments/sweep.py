@@ -15,8 +15,9 @@ changed, an ablation study:
         --set model.positions=none --set model.ffn=silu --out runs/ablations   # 5 runs: base and 4 ablations
 
 The runs are trained one after another by `scratchlm.training.trainer.train`, each in its own run directory
-`OUT/NAME` named after its values (`lr=1e-3_batch_size=16`). Afterwards `OUT/results.md` holds a
-markdown table of the final train and validation losses and `OUT/curves.png` the loss curves of all runs.
+`OUT/NAME` named after its values (`lr=1e-3_batch_size=16`); OUT must be new, empty or an earlier sweep's
+directory. Afterwards `OUT/results.md` holds a markdown table of the final train and validation losses and
+`OUT/curves.png` the loss curves of all runs.
 
 A run whose loss becomes non-finite stops, is recorded as diverged, and the sweep goes on (the learning-rate
 sweep looks for exactly that edge); a run that ends with a loss above ln(vocab_size), no better than predicting
@@ -36,12 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
+
 from scratchlm.console import console, format_seconds
 from scratchlm.errors import DivergedError, ScratchlmError
-from scratchlm.io import atomic_write
+from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run.summary import StopReason
 
 SWEEP_FILE = "sweep.json"
+SWEEP_KIND = "sweep"  # the output marker of a sweep directory (scratchlm.io)
 DIVERGED = "diverged"  # a run's status in sweep.json when training raised DivergedError
 TABLE_FILE = "results.md"
 PLOT_FILE = "curves.png"
@@ -188,6 +192,9 @@ def run_sweep(
         )
         for run in runs
     ]
+    claim_output_dir(
+        out_dir, SWEEP_KIND, [config_path] if config_path else [], previous=lambda d: (d / SWEEP_FILE).is_file()
+    )
     status_path = out_dir / SWEEP_FILE
     outcomes: dict[str, dict[str, Any]] = _read_json(status_path) if status_path.exists() else {}
 
@@ -198,7 +205,7 @@ def run_sweep(
         if summary is not None and summary.stopped is not StopReason.INTERRUPTED:
             outcomes[run.name] = {"status": summary.stopped.value, "summary": summary.to_dict()}
         elif outcomes.get(run.name, {}).get("status") != DIVERGED:
-            console.rule(f"[bold]run {index}/{len(runs)}: {run.name}")
+            console.rule(Text(f"run {index}/{len(runs)}: {run.name}", style="bold"))
             try:
                 summary = train(config, resume=run_dir.latest_checkpoint() is not None)
                 outcomes[run.name] = {"status": summary.stopped.value, "summary": summary.to_dict()}

@@ -56,17 +56,19 @@ COMPONENTS = (ATTENTION_PROJECTIONS, ATTENTION_SCORES, FEED_FORWARD, LM_HEAD)
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
     """Trainable parameters per component; they sum to `TransformerLM.num_parameters()`.
 
-    Token embeddings `V d`; per block: attention `4 d²` (W_Q, W_K, W_V, W_O), feed-forward `3 d d_ff` (SwiGLU:
-    W1, W2, W3) or `2 d d_ff` (SiLU: W1, W2), RMSNorm gains `2 d` (none without norms); a final RMSNorm gain
-    `d` (pre-norm only); the LM head `V d`, unless tied to the embeddings."""
+    Token embeddings `V d`; per block: attention `4 d²` (W_Q, W_K, W_V, W_O; W_K and W_V have `d_kv =
+    num_kv_heads · d_k` rows, so `2 d² + 2 d d_kv` under grouped-query attention), feed-forward `3 d d_ff` (SwiGLU:
+    W1, W2, W3) or `2 d d_ff` (SiLU, ReLU²: W1, W2), RMSNorm gains `2 d` (none without norms) plus `2 d_k`
+    with QK-norm; a final RMSNorm gain `d` (pre-norm only); the LM head `V d`, unless tied to the embeddings."""
     d, layers = config.d_model, config.num_layers
     ffn_matrices = 3 if config.ffn == "swiglu" else 2
     return {
         "token embeddings": config.vocab_size * d,
-        "attention (W_Q, W_K, W_V, W_O)": layers * 4 * d * d,
+        "attention (W_Q, W_K, W_V, W_O)": layers * (2 * d * d + 2 * d * config.kv_heads * config.head_dim),
         "feed-forward": layers * ffn_matrices * d * config.d_ff,
         "RMSNorm gains": (layers * 2 * d if config.norm != "none" else 0)
-        + (d if config.norm == "pre" else 0),
+        + (d if config.norm == "pre" else 0)
+        + (layers * 2 * config.head_dim if config.qk_norm else 0),
         "LM head": 0 if config.tie_embeddings else config.vocab_size * d,
     }
 
@@ -102,10 +104,11 @@ def forward_matmuls(config: ModelConfig, seq_len: int | None = None, batch_size:
     seq = config.context_length if seq_len is None else seq_len
     d, d_ff, d_k, layers = config.d_model, config.d_ff, config.head_dim, config.num_layers
     tokens, heads = batch_size * seq, batch_size * config.num_heads * layers
+    d_kv = config.kv_heads * d_k  # grouped-query attention: fewer key/value heads, as many scores
     matmuls = [
         Matmul(ATTENTION_PROJECTIONS, "Q projection  x W_Qᵀ", tokens, d, d, layers),
-        Matmul(ATTENTION_PROJECTIONS, "K projection  x W_Kᵀ", tokens, d, d, layers),
-        Matmul(ATTENTION_PROJECTIONS, "V projection  x W_Vᵀ", tokens, d, d, layers),
+        Matmul(ATTENTION_PROJECTIONS, "K projection  x W_Kᵀ", tokens, d, d_kv, layers),
+        Matmul(ATTENTION_PROJECTIONS, "V projection  x W_Vᵀ", tokens, d, d_kv, layers),
         Matmul(ATTENTION_SCORES, "scores  Q Kᵀ", seq, d_k, seq, heads),
         Matmul(ATTENTION_SCORES, "weighted sum  softmax(·) V", seq, seq, d_k, heads),
         Matmul(ATTENTION_PROJECTIONS, "output projection  W_Oᵀ", tokens, d, d, layers),
@@ -143,17 +146,20 @@ def activation_elements(config: ModelConfig, batch_size: int, seq_len: int | Non
     docstring). Linear in the batch size; the attention matrices are quadratic in the sequence length."""
     seq = config.context_length if seq_len is None else seq_len
     d, d_ff, layers = config.d_model, config.d_ff, config.num_layers
+    d_kv = config.kv_heads * config.head_dim
     tokens = batch_size * seq
     norms = 2 if config.norm != "none" else 0
-    ffn_tensors = 4 if config.ffn == "swiglu" else 2  # W1, (W3,) SiLU, (product) at d_ff; W2 at d
+    ffn_tensors = 4 if config.ffn == "swiglu" else 2  # W1, (W3,) SiLU or ReLU², (product) at d_ff; W2 at d
     return {
         "RMSNorm outputs": layers * norms * tokens * d,
-        "Q, K, V projections": layers * 3 * tokens * d,
+        # Q at d, K and V at num_kv_heads · d_k; + normalised Q, K
+        "Q, K, V projections": layers * tokens * (d + 2 * d_kv + (d + d_kv if config.qk_norm else 0)),
         "attention scores Q Kᵀ + softmax": layers * 2 * batch_size * config.num_heads * seq * seq,
         "weighted sum + output projection": layers * 2 * tokens * d,
         "feed-forward": layers * (ffn_tensors * tokens * d_ff + tokens * d),
         "final RMSNorm": tokens * d if config.norm == "pre" else 0,
-        "logits + cross-entropy": 2 * tokens * config.vocab_size,
+        # the soft-capped logits are a second logits tensor
+        "logits + cross-entropy": (3 if config.logit_softcap else 2) * tokens * config.vocab_size,
     }
 
 

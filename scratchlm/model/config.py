@@ -3,7 +3,13 @@
 The defaults are the specification's TinyStories model (≈17M non-embedding parameters). The ablation switches
 of the experiments are fields too: `norm` (pre-norm, post-norm, or no RMSNorm at all), `positions` (RoPE or
 none, i.e. NoPE), `ffn` (SwiGLU, or a SiLU MLP `W2 silu(W1 x)`) and `tie_embeddings` (the LM head reuses the
-token embedding matrix).
+token embedding matrix). `num_kv_heads` below `num_heads` is grouped-query attention (Ainslie et al., 2023):
+each key/value head serves `num_heads / num_kv_heads` query heads, as in Llama 2 70B and Llama 3.
+
+The switches of the fast recipe (docs/experiments.md, "A faster recipe"), all off by default: `qk_norm`
+(RMSNorm of each head's queries and keys before RoPE), `ffn="relu2"` (`W2 relu(W1 x)²`), `zero_init` (the
+output projections of attention and feed-forward start at zero, so every block starts as the identity) and
+`logit_softcap` (logits `c · tanh(z / c)`, bounded by ±c).
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ from scratchlm.errors import ScratchlmError
 
 NORMS = ("pre", "post", "none")
 POSITIONS = ("rope", "none")
-FFNS = ("swiglu", "silu")
+FFNS = ("swiglu", "silu", "relu2")
 
 
 def default_d_ff(d_model: int, ffn: str = "swiglu") -> int:
-    """SwiGLU: 8/3 · d_model rounded to a multiple of 64 (1,344 for 512); SiLU: 4 · d_model, the same
-    parameter count as SwiGLU's three matrices."""
-    if ffn == "silu":
+    """SwiGLU: 8/3 · d_model rounded to a multiple of 64 (1,344 for 512); SiLU and ReLU²: 4 · d_model, the
+    same parameter count as SwiGLU's three matrices."""
+    if ffn in ("silu", "relu2"):
         return 4 * d_model
     return max(64, round(8 * d_model / 3 / 64) * 64)
 
@@ -34,24 +40,36 @@ class ModelConfig:
     d_model: int = 512
     num_layers: int = 4
     num_heads: int = 16
+    num_kv_heads: int | None = None  # grouped-query attention: heads of keys and values; None: num_heads
     d_ff: int | None = None  # None: `default_d_ff(d_model, ffn)`
     rope_theta: float = 10_000.0
     norm: Literal["pre", "post", "none"] = "pre"
     positions: Literal["rope", "none"] = "rope"
-    ffn: Literal["swiglu", "silu"] = "swiglu"
+    ffn: Literal["swiglu", "silu", "relu2"] = "swiglu"
     tie_embeddings: bool = False
+    qk_norm: bool = False  # RMSNorm (gain per head dimension) of queries and keys, per head, before RoPE
+    zero_init: bool = False  # attention's and the feed-forward's output projections start at zero
+    logit_softcap: float = 0.0  # c > 0: logits c · tanh(z / c); 0: off
 
     def __post_init__(self) -> None:
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", default_d_ff(self.d_model, self.ffn))
-        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
-            value = getattr(self, name)
+        sizes = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "num_kv_heads")
+        for name in (*sizes, "d_ff"):
+            value = self.kv_heads if name == "num_kv_heads" else getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ScratchlmError(f"model.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.num_heads:
             raise ScratchlmError(
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
             )
+        if self.num_heads % self.kv_heads:
+            raise ScratchlmError(
+                f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({self.kv_heads})"
+            )
+        # One spelling of plain multi-head attention, so that equal models have equal configs.
+        if self.num_kv_heads == self.num_heads:
+            object.__setattr__(self, "num_kv_heads", None)
         if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
             raise ScratchlmError(
                 f"RoPE needs an even head dimension, got d_model/num_heads = {self.head_dim}"
@@ -63,12 +81,20 @@ class ModelConfig:
                 raise ScratchlmError(
                     f"model.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
                 )
-        if not isinstance(self.tie_embeddings, bool):
-            raise ScratchlmError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        for name in ("tie_embeddings", "qk_norm", "zero_init"):
+            if not isinstance(getattr(self, name), bool):
+                raise ScratchlmError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.logit_softcap >= 0:
+            raise ScratchlmError(f"model.logit_softcap must be >= 0 (0: off), got {self.logit_softcap!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of keys and values: `num_kv_heads`, or `num_heads` without grouped-query attention."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def num_parameters(self) -> int:
@@ -88,7 +114,12 @@ class ModelConfig:
         return train_step_flops(self, batch_size=1) // self.context_length
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields; `num_kv_heads` only under grouped-query attention, so that other configs read and write
+        exactly as before it existed."""
+        values = dataclasses.asdict(self)
+        if self.num_kv_heads is None:
+            del values["num_kv_heads"]
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:

@@ -29,7 +29,8 @@ from torch import Tensor
 
 
 class LayerKVCache:
-    """One attention layer's cached keys (before the position encoding) and values, `(batch, heads, ≤ window, d_k)` each."""
+    """One attention layer's cached keys (before the position encoding) and values, `(batch, kv_heads, ≤ window,
+    d_k)` each: under grouped-query attention only the `num_kv_heads` key/value heads are kept."""
 
     def __init__(self, window: int) -> None:
         self.window = window
@@ -38,9 +39,9 @@ class LayerKVCache:
 
     def append(
         self,
-        keys: Float[Tensor, "batch heads new d_k"],
-        values: Float[Tensor, "batch heads new d_k"],
-    ) -> tuple[Float[Tensor, "batch heads window d_k"], Float[Tensor, "batch heads window d_k"]]:
+        keys: Float[Tensor, "batch kv_heads new d_k"],
+        values: Float[Tensor, "batch kv_heads new d_k"],
+    ) -> tuple[Float[Tensor, "batch kv_heads window d_k"], Float[Tensor, "batch kv_heads window d_k"]]:
         """Append the new tokens' keys and values, drop what falls out of the window, return the window.
         Several new tokens share one window: the last sees `window` tokens, the earlier ones fewer."""
         if self.keys is not None and self.values is not None:

@@ -10,7 +10,8 @@ In the order a token meets them:
   blocks of queries, skipping the blocks the causal mask hides, and the backward pass is written out (that
   of FlashAttention-2) rather than left to autograd, which keeps less and computes less.
 - `SwiGLU`: the gated feed-forward network `W2 (silu(W1 x) ⊙ W3 x)` (Shazeer, 2020); `SiLUFeedForward`, the
-  ungated `W2 silu(W1 x)` that the ablation compares it with.
+  ungated `W2 silu(W1 x)` that the ablation compares it with; `ReLUSquaredFeedForward`, `W2 relu(W1 x)²`
+  (So et al., 2021), the fast recipe's.
 - `Linear`: `y = x Wᵀ` without bias, `W` stored `(out, in)` as in the reference implementation.
 
 Every function accepts extra leading batch dimensions (`...`). Low-precision inputs (bfloat16 under
@@ -158,8 +159,32 @@ class SiLUFeedForward(nn.Module):
         return self.w2(silu(self.w1(x)))
 
 
+class ReLUSquaredFeedForward(nn.Module):
+    """`W2 relu(W1 x)²` (Primer, So et al., 2021): ungated like `SiLUFeedForward`, with as many parameters at
+    `d_ff = 4 d_model`. Squaring makes the activation sparse (half the pre-activations are exactly 0) yet
+    smooth where it is active; modded-nanogpt and nanochat use it in place of SwiGLU."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        return self.w2(self.w1(x).clamp_min(0).square())
+
+
 #: `ModelConfig.ffn` -> the feed-forward network of every block; each takes `(d_model, d_ff, device, dtype)`.
-FEED_FORWARDS: dict[str, type[nn.Module]] = {"swiglu": SwiGLU, "silu": SiLUFeedForward}
+FEED_FORWARDS: dict[str, type[nn.Module]] = {
+    "swiglu": SwiGLU,
+    "silu": SiLUFeedForward,
+    "relu2": ReLUSquaredFeedForward,
+}
 
 
 def feed_forward(config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Module:
@@ -356,6 +381,10 @@ class MultiHeadSelfAttention(nn.Module):
     dimension), concatenate, project back. Queries and keys then go through the position encoding of
     `config.positions` (RoPE: the same rotation for every head; values are not rotated).
 
+    With `config.num_kv_heads` below `num_heads` (grouped-query attention), keys and values have only
+    `num_kv_heads` heads, and query heads `g·G … g·G + G − 1` (`G = num_heads / num_kv_heads`) all attend with
+    key/value head g: the projections and the KV cache shrink by G, the scores do not.
+
     With a `kv_cache` (one layer's `LayerKVCache`), `x` holds only the new tokens: their keys and values are
     appended to the cached ones (a sliding window of at most `context_length` tokens), and they attend to the
     whole window and causally among themselves. Positions are counted from the window's start; RoPE scores
@@ -393,12 +422,17 @@ class MultiHeadSelfAttention(nn.Module):
         return build_from_config(cls, config, device, dtype)
 
     def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
-        self.d_model, self.num_heads = config.d_model, config.num_heads
+        self.d_model, self.num_heads, self.num_kv_heads = config.d_model, config.num_heads, config.kv_heads
+        kv_dim = config.kv_heads * config.head_dim
         self.q_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(config.d_model, kv_dim, device=device, dtype=dtype)
+        self.v_proj = Linear(config.d_model, kv_dim, device=device, dtype=dtype)
         self.output_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
         self.positions = position_encoding(config, device)
+        # QK-norm: one gain per head dimension, shared by the heads. Queries and keys of RMS 1 bound every
+        # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
+        self.q_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
 
     def forward(
         self,
@@ -408,8 +442,10 @@ class MultiHeadSelfAttention(nn.Module):
     ) -> Float[Tensor, "... seq d_model"]:
         split_heads = "... seq (heads d_k) -> ... heads seq d_k"
         q = rearrange(self.q_proj(x), split_heads, heads=self.num_heads)
-        k = rearrange(self.k_proj(x), split_heads, heads=self.num_heads)
-        v = rearrange(self.v_proj(x), split_heads, heads=self.num_heads)
+        k = rearrange(self.k_proj(x), split_heads, heads=self.num_kv_heads)
+        v = rearrange(self.v_proj(x), split_heads, heads=self.num_kv_heads)
+        if self.q_norm is not None:  # per token, so keys are cached normalised
+            q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is not None:
             if token_positions is not None:
                 raise ScratchlmError(
@@ -427,7 +463,14 @@ class MultiHeadSelfAttention(nn.Module):
             positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
             q, k = self.positions(q, positions), self.positions(k, positions)
 
-        heads = causal_attention(q, k, v)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            # Each key/value head is broadcast over its group of query heads, never copied; causal_attention
+            # sums the group's gradients back into it.
+            q = rearrange(q, "... (kv group) seq d_k -> ... kv group seq d_k", group=group)
+            heads = causal_attention(q, k.unsqueeze(-3), v.unsqueeze(-3)).flatten(-4, -3)
+        else:
+            heads = causal_attention(q, k, v)
         return self.output_proj(rearrange(heads, "... heads seq d_k -> ... seq (heads d_k)"))
 
 

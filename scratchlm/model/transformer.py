@@ -9,9 +9,11 @@ The ablations of the experiments are switches of `ModelConfig`: `norm="post"` pu
 residual addition as in the original Transformer (`x = ln1(x + attn(x))`, `x = ln2(x + ffn(x))`; the block's
 output is already normalised, so there is no `ln_final`), `norm="none"` drops every RMSNorm, `positions="none"`
 drops RoPE (causal attention alone still tells a token how many tokens precede it), `ffn="silu"` swaps SwiGLU
-for `W2 silu(W1 x)`, and `tie_embeddings` makes the LM head reuse the token embedding matrix. Whatever is
-absent is absent from the state dict, and the default configuration has exactly the reference
-implementation's state-dict keys.
+for `W2 silu(W1 x)`, and `tie_embeddings` makes the LM head reuse the token embedding matrix. The fast
+recipe's switches are `qk_norm` and `ffn="relu2"` (in `scratchlm.model.layers`), `zero_init` (each block's
+output projections start at zero, so the model starts as embeddings -> head and every block learns a change
+of the residual stream from nothing) and `logit_softcap` (`c · tanh(z / c)`). Whatever is absent is absent
+from the state dict, and the default configuration has exactly the reference implementation's state-dict keys.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from scratchlm.model.layers import (
     Linear,
     MultiHeadSelfAttention,
     RMSNorm,
+    _at_least_float32,
     build_from_config,
     feed_forward,
 )
@@ -81,6 +84,10 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadSelfAttention.from_config(config, device, dtype)
         self.ln2 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
         self.ffn = feed_forward(config, device, dtype)
+        if config.zero_init:  # after the random init, so the other weights are those of zero_init=False
+            with torch.no_grad():
+                self.attn.output_proj.weight.zero_()
+                self.ffn.w2.weight.zero_()
 
     def forward(
         self, x: Float[Tensor, "... seq d_model"], kv_cache: LayerKVCache | None = None
@@ -174,6 +181,11 @@ class TransformerLM(nn.Module):
         if self.ln_final is not None:
             x = self.ln_final(x)
         logits = self.lm_head(x)
+        if self.config.logit_softcap:
+            # In at least float32 (tanh in bfloat16 would round most logits): about the identity for |z| << c
+            # and bounded by ±c, so no logit can run away from the others.
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(_at_least_float32(logits) / cap)
 
         if kv_cache is not None:
             kv_cache.length += seq

@@ -7,9 +7,11 @@ A training run lives in one directory (`logging.run_dir`):
       metrics.jsonl           one JSON record per line: train records and eval records (`scratchlm.run.metrics`)
       checkpoints/step_00001000.pt   the most recent `checkpoint.keep` checkpoints
       summary.json            how the run ended: steps, tokens, time, losses, the stop reason (`RunSummary`)
+      .lock                   held by the process training in the run (`scratchlm.run.lock`)
+      .scratchlm-output       marks the directory as a run (`scratchlm.io`): anything else is refused
 
 Everything that reads or writes these files goes through this package: `RunDirectory` knows the paths and
-finds checkpoints, `RunSummary` is the typed summary with its `StopReason`, `read_metrics` parses the metrics
+finds checkpoints and locks the run for one trainer, `RunSummary` is the typed summary with its `StopReason`, `read_metrics` parses the metrics
 log, and `load_trained` loads a trained model together with its tokenizer for inference.
 """
 

@@ -7,10 +7,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from scratchlm.io import claim_output_dir
+from scratchlm.run.lock import RunLock
 from scratchlm.run.metrics import METRICS_FILE
 from scratchlm.run.summary import RunSummary
 
 CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+RUN_KIND = "run"  # the output marker of a run directory (scratchlm.io)
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,30 @@ class RunDirectory:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def set_aside(self, checkpoint: Path) -> Path:
+        """Rename a damaged checkpoint to `NAME.damaged`, where no reader of checkpoints looks; returns it."""
+        aside = checkpoint.with_name(checkpoint.name + ".damaged")
+        os.replace(checkpoint, aside)
+        return aside
+
     def prune_checkpoints(self, keep: int) -> None:
         """Delete all but the `keep` most recent checkpoints."""
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
             old.unlink(missing_ok=True)
+
+    def lock(self) -> RunLock:
+        """Claim the directory for a training process and lock it (`with run.lock(): ...`).
+
+        The directory is created and marked when new; one that holds anything but a run is refused, as is one
+        that another process is training in (see `scratchlm.run.lock`)."""
+        claim_output_dir(self.path, RUN_KIND, previous=self._is_unmarked_run)
+        return RunLock(self.path)
+
+    @staticmethod
+    def _is_unmarked_run(path: Path) -> bool:
+        """A run directory written before directories were marked: it has its config and its metrics log."""
+        run = RunDirectory(path)
+        return run.config.is_file() and run.metrics.is_file()
 
     def summary(self) -> RunSummary | None:
         """The summary the run wrote when it last stopped, or None when it has not stopped yet."""

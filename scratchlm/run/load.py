@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.text import Text
 
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
@@ -116,6 +117,9 @@ def _check_pair(trained: TrainedModel, origin: str) -> None:
         )
     if recorded is None and tokenizer.vocab_size < vocab_size:
         console.print(
-            f"[yellow]warning:[/] {trained.checkpoint} records no tokenizer and {origin} has "
-            f"{tokenizer.vocab_size} tokens for a model of {vocab_size}; make sure they belong together"
+            Text.assemble(
+                ("warning:", "yellow"),
+                f" {trained.checkpoint} records no tokenizer and {origin} has {tokenizer.vocab_size} tokens "
+                f"for a model of {vocab_size}; make sure they belong together",
+            )
         )

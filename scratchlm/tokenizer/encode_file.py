@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import multiprocessing
 import os
 import time
 from collections import deque
@@ -31,8 +30,9 @@ import numpy as np
 
 from scratchlm.console import process_peak_memory_mb, progress
 from scratchlm.errors import ScratchlmError
-from scratchlm.io import atomic_write
+from scratchlm.io import atomic_write, check_output_file
 from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.workers import worker_pool
 
 # Bytes read from the file at a time, and characters per chunk sent to a worker: large enough that sending
 # text and ids between processes costs little next to encoding them, small enough to keep memory low.
@@ -85,8 +85,7 @@ def encode_file(
             if input_path.is_dir()
             else f"input file not found: {input_path}"
         )
-    if output_path.is_dir():
-        raise ScratchlmError(f"output {output_path} is a directory, expected a .npy file path")
+    check_output_file(output_path, [input_path], previous=_is_npy, what="a .npy file")
     workers = workers or os.cpu_count() or 1
     if workers < 1:
         raise ScratchlmError(f"workers must be at least 1, got {workers}")
@@ -97,7 +96,8 @@ def encode_file(
     num_tokens = 0
     worker_peaks: dict[int, float] = {}
     # The workers start before the progress display, whose refresh thread a fork should not copy.
-    with _chunk_encoder(tokenizer, dtype, workers) as encode_chunks, atomic_write(output_path, "wb") as out:
+    what = f"encoding {input_path} failed, so {output_path} was not written"
+    with _chunk_encoder(tokenizer, dtype, workers, what) as encode_chunks, atomic_write(output_path, "wb") as out:
         out.write(b"\0" * HEADER_BYTES)  # replaced by the real header once the length is known
         with progress() as bar:
             task = bar.add_task(f"encoding {input_path.name}", total=num_bytes, visible=show_progress)
@@ -128,6 +128,12 @@ def encode_file(
     )
 
 
+def _is_npy(path: Path) -> bool:
+    """Whether `path` is a `.npy` array (an earlier output, which may be replaced) rather than other data."""
+    with open(path, "rb") as f:
+        return f.read(6) == b"\x93NUMPY"
+
+
 def _read_text(path: Path, on_bytes: Callable[[int], object]) -> Iterator[str]:
     """The file's text in blocks, decoded as strict UTF-8; a decoding error names the byte offset."""
     decoder = codecs.getincrementaldecoder("utf-8")()
@@ -152,25 +158,26 @@ def _read_text(path: Path, on_bytes: Callable[[int], object]) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _chunk_encoder(
-    tokenizer: Tokenizer, dtype: np.dtype, workers: int
+    tokenizer: Tokenizer, dtype: np.dtype, workers: int, what: str
 ) -> Iterator[Callable[[Iterable[str]], Iterator[tuple[np.ndarray, tuple[int, float]]]]]:
-    """A function from chunks of text to `(ids, (process id, its peak memory))` per chunk, in order."""
+    """A function from chunks of text to `(ids, (process id, its peak memory))` per chunk, in order. A worker
+    that dies ends the encoding with an error naming `what` (see `scratchlm.workers`)."""
     if workers == 1:
         _init_worker(tokenizer, dtype)
         yield lambda chunks: map(_encode_chunk, chunks)
         return
-    with multiprocessing.get_context().Pool(workers, _init_worker, (tokenizer, dtype)) as pool:
+    with worker_pool(workers, _init_worker, (tokenizer, dtype), what) as pool:
 
         def encode_chunks(chunks: Iterable[str]) -> Iterator[tuple[np.ndarray, tuple[int, float]]]:
             # A bounded window of chunks in flight: enough to keep every worker busy, and it stops the file
-            # being read faster than it is encoded (Pool.imap would queue the whole file).
+            # being read faster than it is encoded (mapping over the chunks would queue the whole file).
             pending: deque = deque()
             for chunk in chunks:
-                pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+                pending.append(pool.submit(_encode_chunk, chunk))
                 if len(pending) >= 2 * workers:
-                    yield pending.popleft().get()
+                    yield pending.popleft().result()
             while pending:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
 
         yield encode_chunks
 

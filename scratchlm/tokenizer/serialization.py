@@ -11,7 +11,7 @@ its bytes, becomes a string without spaces or newlines. That makes the files los
   an optional first line `#version: ...` is ignored.
 
 A tokenizer directory holds these two files and `special_tokens.json`, the list of special tokens (each is
-also in `vocab.json`).
+also in `vocab.json`), plus the output marker that lets a later save replace it (`scratchlm.io`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import os
 from pathlib import Path
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.io import atomic_directory, atomic_write
+from scratchlm.io import atomic_directory, atomic_write, check_output_dir
 
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
+TOKENIZER_KIND = "tokenizer"  # the output marker of a tokenizer directory (scratchlm.io)
 
 
 @functools.cache
@@ -73,7 +74,8 @@ def save_tokenizer(
     merges: list[tuple[bytes, bytes]],
     special_tokens: list[str] | None = None,
 ) -> Path:
-    """Write `vocab.json`, `merges.txt` and `special_tokens.json` into `directory`, atomically as a whole."""
+    """Write `vocab.json`, `merges.txt` and `special_tokens.json` into `directory`, atomically as a whole; an
+    existing `directory` is replaced only when it is an earlier tokenizer (or empty)."""
     directory = Path(directory)
     ids_of: dict[bytes, int] = {}
     for token_id, token in sorted(vocab.items()):
@@ -81,7 +83,7 @@ def save_tokenizer(
             # vocab.json maps each token's text to one id, so such a vocabulary cannot be written losslessly.
             raise ScratchlmError(f"token {token!r} has two ids, {ids_of[token]} and {token_id}")
         ids_of[token] = token_id
-    with atomic_directory(directory) as tmp:
+    with atomic_directory(directory, TOKENIZER_KIND, previous=_is_unmarked_tokenizer) as tmp:
         with atomic_write(tmp / VOCAB_FILE, "w") as f:
             json.dump(
                 {token_to_text(tok): i for i, tok in sorted(vocab.items())}, f, ensure_ascii=False, indent=0
@@ -92,6 +94,16 @@ def save_tokenizer(
         with atomic_write(tmp / SPECIAL_TOKENS_FILE, "w") as f:
             json.dump(list(special_tokens or []), f, ensure_ascii=False)
     return directory
+
+
+def check_tokenizer_output(directory: str | os.PathLike, inputs: list[str | os.PathLike]) -> None:
+    """Fail before training, not after, when `directory` cannot take a tokenizer (see `scratchlm.io`)."""
+    check_output_dir(directory, TOKENIZER_KIND, inputs, previous=_is_unmarked_tokenizer)
+
+
+def _is_unmarked_tokenizer(directory: Path) -> bool:
+    """A tokenizer directory saved before directories were marked: exactly the three files, nothing else."""
+    return set(os.listdir(directory)) == {VOCAB_FILE, MERGES_FILE, SPECIAL_TOKENS_FILE}
 
 
 def load_vocab(vocab_path: str | os.PathLike) -> dict[int, bytes]:

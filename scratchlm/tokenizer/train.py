@@ -39,7 +39,6 @@ import heapq
 import math
 import multiprocessing
 import os
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import pairwise
@@ -50,6 +49,7 @@ import regex
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.tokenizer.pretokenize import pretoken_counts, special_tokens_regex, whitespace
+from scratchlm.workers import worker_pool
 
 # Bytes each worker reads and pre-tokenizes at a time: bounds a worker's memory apart from its counts.
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -152,19 +152,17 @@ def count_pretokens(
         for task in tasks:
             counts.update(_count_task(task, report))
     else:
-        # fork where there is one (Linux): it starts at once and does not re-import the caller's main module.
-        # The progress display's thread starts only after this, on its first update.
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
-        bytes_read = context.Value("q", 0)
-        with context.Pool(workers, initializer=_start_worker, initargs=(bytes_read,)) as pool:
+        # The workers start at once, before the progress display's thread starts on its first update. A worker
+        # that dies ends the training with an error (see scratchlm.workers).
+        bytes_read = multiprocessing.Value("q", 0)
+        with worker_pool(workers, _start_worker, (bytes_read,), f"pre-tokenizing {path} failed") as pool:
             # In file order, so that of several encoding errors the first is the one raised.
-            results = pool.imap(_count_task_in_worker, tasks)
-            for _ in tasks:
+            for future in [pool.submit(_count_task_in_worker, task) for task in tasks]:
                 while True:
                     try:
-                        task_counts = results.next(timeout=0.2)
+                        task_counts = future.result(timeout=0.2)
                         break
-                    except multiprocessing.TimeoutError:
+                    except TimeoutError:
                         if on_bytes:
                             on_bytes(bytes_read.value, total)
                 counts.update(task_counts)

@@ -13,10 +13,17 @@ its parameter names with `_orig_mod.` and `module.`; the checkpoint always store
 loads into a plain model, and names with such prefixes are stripped on load. Saving to a path is atomic: a
 crash mid-write never leaves a truncated checkpoint under the real name. Checkpoints hold only tensors and
 plain Python values, so they load with `weights_only=True` (no code runs when reading one).
+
+A checkpoint also carries `sha256`, a digest of its content (every tensor's dtype, shape and bytes and every
+plain value, in order), checked when it is read: bytes damaged on disk or in transit would otherwise load
+without complaint, since nothing in the file format checks the tensor data, and training would go on from
+garbage. The digest is computed from the values rather than from the file, so it does not depend on how
+`torch.save` lays them out. Checkpoints written before it existed load unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from pathlib import Path
@@ -28,6 +35,7 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+CHECKSUM_KEY = "sha256"
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -69,6 +77,7 @@ def save_checkpoint(
     if config is not None and hasattr(config, "to_dict"):
         state["model_config"] = config.to_dict()
     state.update(extra)
+    state[CHECKSUM_KEY] = content_digest(state)
     if isinstance(out, str | os.PathLike):
         with atomic_write(out, "wb") as f:
             torch.save(state, f)
@@ -100,7 +109,38 @@ def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or "model" not in state:
         raise ScratchlmError(f"checkpoint {src} is not a scratchlm checkpoint (no 'model' entry)")
+    recorded = state.pop(CHECKSUM_KEY, None)
+    if recorded is not None and recorded != content_digest(state):
+        raise ScratchlmError(
+            f"checkpoint {src} is damaged: its content does not match the checksum saved with it"
+        )
     return state
+
+
+def content_digest(state: dict[str, Any]) -> str:
+    """The SHA-256 of a checkpoint's content (see the module docstring), as hex."""
+    digest = hashlib.sha256()
+    _hash_value(digest, state)
+    return digest.hexdigest()
+
+
+def _hash_value(digest: Any, value: Any) -> None:
+    """Feed `value` into `digest`: type and shape first, so that differently nested values never collide."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        digest.update(f"tensor {data.dtype} {tuple(data.shape)}\n".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().data)
+    elif isinstance(value, dict):
+        digest.update(f"dict {len(value)}\n".encode())
+        for key, item in value.items():
+            _hash_value(digest, key)
+            _hash_value(digest, item)
+    elif isinstance(value, list | tuple):
+        digest.update(f"{type(value).__name__} {len(value)}\n".encode())
+        for item in value:
+            _hash_value(digest, item)
+    else:
+        digest.update(f"{type(value).__name__} {value!r}\n".encode())
 
 
 def load_checkpoint(

@@ -2,9 +2,11 @@
 
     [data]        train, valid (memory-mapped .npy token files), tokenizer (directory, optional)
     [model]       the ModelConfig fields (shape and ablation switches)
-    [optimizer]   name (adamw | sgd), lr, min_lr, betas, eps, weight_decay, grad_clip
-    [schedule]    warmup_iters, cosine_cycle_iters (0: the run's last step)
-    [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, compile, seed
+    [optimizer]   name (adamw | sgd | muon), lr, min_lr, betas, eps, weight_decay, grad_clip, embedding_lr,
+                  head_lr, muon_lr, muon_momentum, muon_nesterov, muon_ns_steps, muon_bf16, muon_weight_decay
+    [schedule]    kind (cosine | wsd), warmup_iters, cosine_cycle_iters (0: the run's last step), decay_fraction
+    [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, compile, seed,
+                  init_from
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
@@ -42,19 +44,33 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-3  # peak learning rate α_max
-    min_lr: float = 1e-4  # final learning rate α_min of the cosine
+    # adamw | sgd: one algorithm for every parameter. muon: Muon for the hidden weight matrices (muon_* below),
+    # AdamW (lr, betas, eps, weight_decay) for the token embeddings, the LM head and the gains.
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    lr: float = 1e-3  # peak learning rate α_max (of every group without a rate of its own below)
+    min_lr: float = 1e-4  # final rate α_min; a group with a rate of its own ends at that rate × min_lr / lr
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay λ (θ ← θ (1 - α λ))
     grad_clip: float = 1.0  # maximum global gradient L2 norm; 0 disables clipping
+    embedding_lr: float = 0.0  # peak rate of the token embeddings; 0: lr
+    head_lr: float = 0.0  # peak rate of the LM head (untied); 0: lr
+    muon_lr: float = 0.02  # name = "muon": peak rate of the hidden matrices
+    muon_momentum: float = 0.95  # Muon's momentum μ
+    muon_nesterov: bool = True  # Nesterov momentum: orthogonalise (1 - μ) g + μ B rather than B
+    muon_ns_steps: int = 5  # Newton–Schulz iterations of the orthogonalisation
+    muon_bf16: bool = True  # iterate in bfloat16 where the device multiplies it natively; false: float32
+    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay of the hidden matrices
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
+    # cosine: warm-up, then a cosine down to min_lr. wsd: warm-up, stable at lr, then a linear decay to min_lr
+    # over the last decay_fraction of the steps (the trapezoid of modded-nanogpt and nanochat).
+    kind: Literal["cosine", "wsd"] = "cosine"
     warmup_iters: int = 100
-    cosine_cycle_iters: int = 0  # 0: the cosine ends at the run's last step
+    cosine_cycle_iters: int = 0  # the step where the cosine (or the wsd decay) ends; 0: the run's last step
+    decay_fraction: float = 0.2  # wsd: the share of the schedule's steps that decays, in (0, 1]
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class TrainingConfig:
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the matmuls, float32 weights
     compile: bool = False  # torch.compile the model
     seed: int = 0
+    init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,8 @@ class TrainConfig:
             "logging.log_interval": self.logging.log_interval,
             "checkpoint.keep": self.checkpoint.keep,
             "optimizer.lr": self.optimizer.lr,
+            "optimizer.muon_lr": self.optimizer.muon_lr,
+            "optimizer.muon_ns_steps": self.optimizer.muon_ns_steps,
         }
         non_negative = {
             "training.max_steps": t.max_steps,
@@ -177,6 +196,9 @@ class TrainConfig:
             "optimizer.eps": self.optimizer.eps,
             "optimizer.weight_decay": self.optimizer.weight_decay,
             "optimizer.grad_clip": self.optimizer.grad_clip,
+            "optimizer.embedding_lr": self.optimizer.embedding_lr,
+            "optimizer.head_lr": self.optimizer.head_lr,
+            "optimizer.muon_weight_decay": self.optimizer.muon_weight_decay,
             "logging.peak_tflops": self.logging.peak_tflops,
         }
         for key, value in positive.items():
@@ -188,6 +210,14 @@ class TrainConfig:
         if not all(0 <= beta < 1 for beta in self.optimizer.betas):
             raise ScratchlmError(
                 f"{source}: optimizer.betas must lie in [0, 1), got {list(self.optimizer.betas)}"
+            )
+        if not 0 <= self.optimizer.muon_momentum < 1:
+            raise ScratchlmError(
+                f"{source}: optimizer.muon_momentum must lie in [0, 1), got {self.optimizer.muon_momentum!r}"
+            )
+        if not 0 < self.schedule.decay_fraction <= 1:
+            raise ScratchlmError(
+                f"{source}: schedule.decay_fraction must lie in (0, 1], got {self.schedule.decay_fraction!r}"
             )
         if bool(t.max_steps) == bool(t.max_tokens):
             raise ScratchlmError(f"{source}: set exactly one of training.max_steps and training.max_tokens")
@@ -318,6 +348,8 @@ def _build_section(
 
 
 def _section_dict(section: Any) -> dict[str, Any]:
+    if isinstance(section, ModelConfig):
+        return section.to_dict()
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
@@ -347,3 +379,51 @@ def to_toml(values: dict[str, dict[str, Any]]) -> str:
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in entries.items() if value is not None)
         lines.append("")
     return "\n".join(lines)
+
+
+# Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where
+# and how fast it runs, and how often it evaluates, checkpoints and logs (and init_from, which only a new run
+# reads). Every other key shapes what the run computes, so a silent change would make one run of two
+# different experiments.
+CHANGEABLE_ON_RESUME = (
+    "training.max_steps",
+    "training.max_tokens",
+    "training.max_time_s",
+    "training.device",
+    "training.compile",
+    "training.init_from",
+    "eval.interval",
+    "eval.iters",
+    "checkpoint.interval",
+    "checkpoint.keep",
+    "logging.*",  # every logging key
+)
+
+
+def config_changes(recorded: dict[str, Any], current: TrainConfig) -> list[str]:
+    """`["optimizer.lr: 0.001 -> 0.0003", ...]`: the keys, other than `CHANGEABLE_ON_RESUME`, whose values in
+    `current` differ from the config a run recorded (a `to_dict()` or a parsed config.toml). A key the record
+    lacks (a config written before the key existed, or a None that TOML cannot hold) counts as its default."""
+    before = {**_flat(TrainConfig().to_dict()), **_flat(recorded)}
+    after = _flat(current.to_dict())
+    return [
+        f"{key}: {_shown(before.get(key))} -> {_shown(after.get(key))}"
+        for key in [*after, *(key for key in before if key not in after)]
+        if before.get(key) != after.get(key)
+        and key not in CHANGEABLE_ON_RESUME
+        and f"{key.partition('.')[0]}.*" not in CHANGEABLE_ON_RESUME
+    ]
+
+
+def _flat(values: dict[str, Any]) -> dict[str, Any]:
+    """`{"optimizer": {"lr": 1e-3}}` -> `{"optimizer.lr": 1e-3}`, tuples as lists (TOML reads lists)."""
+    return {
+        f"{section}.{key}": list(value) if isinstance(value, tuple) else value
+        for section, entries in values.items()
+        if isinstance(entries, dict)
+        for key, value in entries.items()
+    }
+
+
+def _shown(value: Any) -> str:
+    return "(unset)" if value is None else _toml_value(value)

@@ -109,7 +109,7 @@ class MetricsLogger:
                 if key != "step" and value is not None:
                     self.tensorboard.add_scalar(key, value, step)
         self.bar.update(self.task, completed=step)
-        console.print(_format(record, self.total_steps), highlight=False)
+        console.print(_format(record, self.total_steps), highlight=False, markup=True)  # numbers only
 
     def close(self) -> None:
         self.bar.stop()

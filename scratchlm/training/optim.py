@@ -15,7 +15,9 @@ forward and backward passes.
 into named groups by their role (`parameter_groups`): the hidden weight matrices, the token embeddings, the
 output head and the gains (the 1-D RMSNorm weights). Every group is a `param_groups` entry with its `name`, an
 `lr_scale` (its learning rate is the schedule's rate times this) and its own hyperparameters, so an optimizer or
-a learning rate per group is a matter of configuration.
+a learning rate per group is a matter of configuration: `optimizer.name = "muon"` gives the hidden matrices
+to Muon (`scratchlm.training.muon`) and the rest to AdamW, and `embedding_lr` / `head_lr` give those groups
+rates of their own.
 """
 
 from __future__ import annotations
@@ -88,37 +90,43 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, ms, vs, step_sizes = [], [], [], [], []
-            beta1, beta2 = group["betas"]
-            lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ScratchlmError("AdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["m"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = state["step"]
-                params.append(p)
-                grads.append(p.grad)
-                ms.append(state["m"])
-                vs.append(state["v"])
-                step_sizes.append(-lr * math.sqrt(1 - beta2**t) / (1 - beta1**t))
-            if not params:
-                continue
-            torch._foreach_lerp_(ms, grads, 1 - beta1)  # m + (1-β1)(g - m) = β1 m + (1-β1) g
-            torch._foreach_mul_(vs, beta2)
-            torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
-            denominators = torch._foreach_sqrt(vs)
-            torch._foreach_add_(denominators, eps)
-            torch._foreach_addcdiv_(params, ms, denominators, step_sizes)
-            if weight_decay:
-                torch._foreach_mul_(params, 1 - lr * weight_decay)
+            adamw_update(group, self.state)
         return loss
+
+
+def adamw_update(group: dict[str, Any], states: dict[torch.Tensor, dict[str, Any]]) -> None:
+    """One AdamW step of the parameters of `group` (a `param_groups` entry with lr, betas, eps and
+    weight_decay) that have a gradient; `states` holds each parameter's moments and step count."""
+    params, grads, ms, vs, step_sizes = [], [], [], [], []
+    beta1, beta2 = group["betas"]
+    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise ScratchlmError("AdamW does not support sparse gradients")
+        state = states[p]
+        if not state:
+            state["step"] = 0
+            state["m"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        t = state["step"]
+        params.append(p)
+        grads.append(p.grad)
+        ms.append(state["m"])
+        vs.append(state["v"])
+        step_sizes.append(-lr * math.sqrt(1 - beta2**t) / (1 - beta1**t))
+    if not params:
+        return
+    torch._foreach_lerp_(ms, grads, 1 - beta1)  # m + (1-β1)(g - m) = β1 m + (1-β1) g
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+    denominators = torch._foreach_sqrt(vs)
+    torch._foreach_add_(denominators, eps)
+    torch._foreach_addcdiv_(params, ms, denominators, step_sizes)
+    if weight_decay:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
 
 
 #: The roles a parameter can have, in the order of `param_groups`.
@@ -150,12 +158,42 @@ def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Paramete
 
 def build_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer `config` describes over `model`'s parameter groups (see the module docstring); groups
-    without parameters are left out. The specification's recipe gives every group the same settings."""
+    without parameters are left out. The specification's recipe gives every group the same settings.
+
+    A group's peak rate is `config.lr` unless the config gives it its own (`embedding_lr`, `head_lr`, and
+    `muon_lr` for the matrices under Muon); its `lr_scale` is that rate over `config.lr`, so the schedule
+    moves every group's rate in proportion. `name="muon"` makes a `Muon` optimizer (scratchlm.training.muon)
+    whose "matrices" group runs Muon and whose other groups run AdamW."""
+    from scratchlm.training.muon import Muon  # muon.py builds on this module
+
+    muon = config.name == "muon"
+    rates = {
+        "matrices": config.muon_lr if muon else config.lr,
+        "embeddings": config.embedding_lr or config.lr,
+        "head": config.head_lr or config.lr,
+        "gains": config.lr,
+    }
     groups = [
-        {"params": params, "name": name, "lr_scale": 1.0}
+        {"params": params, "name": name, "lr_scale": rates[name] / config.lr}
         for name, params in parameter_groups(model).items()
         if params
     ]
     if config.name == "sgd":
         return SGD(groups, lr=config.lr)
+    if muon:
+        for group in groups:
+            group["algorithm"] = "muon" if group["name"] == "matrices" else "adamw"
+            if group["name"] == "matrices":
+                group["weight_decay"] = config.muon_weight_decay
+        return Muon(
+            groups,
+            lr=config.lr,
+            momentum=config.muon_momentum,
+            nesterov=config.muon_nesterov,
+            ns_steps=config.muon_ns_steps,
+            ns_dtype=None if config.muon_bf16 else torch.float32,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
     return AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)

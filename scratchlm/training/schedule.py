@@ -1,4 +1,5 @@
-"""Cosine learning-rate schedule with linear warm-up (as in LLaMA and the specification).
+"""Learning-rate schedules with linear warm-up: the cosine (as in LLaMA and the specification) and the
+trapezoid warm-up / stable / decay (WSD).
 
 For step `t`, peak rate `α_max`, final rate `α_min`, warm-up length `T_w` and the step `T_c` where the cosine
 ends:
@@ -7,7 +8,19 @@ ends:
     T_w ≤ t ≤ T_c:    α_t = α_min + ½ (1 + cos((t - T_w) / (T_c - T_w) · π)) (α_max - α_min)
     t > T_c:          α_t = α_min                               (flat tail)
 
-It is a pure function of the step, so resuming a run continues the schedule exactly.
+WSD (Hu et al., 2024, MiniCPM; the schedule of modded-nanogpt and nanochat) holds the peak and decays only at
+the end, linearly, over the last `T_d` steps of the `T` it lasts:
+
+    t < T_w:              α_t = t / T_w · α_max
+    T_w ≤ t ≤ T - T_d:    α_t = α_max                               (stable)
+    T - T_d < t ≤ T:      α_t = α_max + (t - T + T_d) / T_d · (α_min - α_max)    (linear decay)
+    t > T:                α_t = α_min
+
+A cosine spends most of a run below its peak; WSD trains at the peak for longer and gets the loss drop of
+annealing in its short final decay. Its rate before the decay does not depend on the run's length either, so
+a run can be extended by moving only the decay.
+
+Both are pure functions of the step, so resuming a run continues the schedule exactly.
 """
 
 from __future__ import annotations
@@ -29,3 +42,25 @@ def cosine_lr_schedule(
             max_learning_rate - min_learning_rate
         )
     return min_learning_rate
+
+
+def wsd_lr_schedule(
+    it: int,
+    max_learning_rate: float,
+    min_learning_rate: float,
+    warmup_iters: int,
+    total_iters: int,
+    decay_fraction: float,
+) -> float:
+    """The learning rate at step `it` of a warm-up / stable / decay schedule that ends at `total_iters`, the
+    last `decay_fraction` of its steps (at least one) decaying linearly to `min_learning_rate`."""
+    if it < warmup_iters:
+        return it / warmup_iters * max_learning_rate
+    decay_iters = max(1, round(decay_fraction * total_iters))
+    decay_start = max(warmup_iters, total_iters - decay_iters)
+    if it <= decay_start:
+        return max_learning_rate
+    if it >= total_iters:
+        return min_learning_rate
+    progress = (it - decay_start) / (total_iters - decay_start)
+    return max_learning_rate + progress * (min_learning_rate - max_learning_rate)

@@ -2,7 +2,7 @@
 
 One optimizer step at step number t (1-based):
 
-    lr ← cosine_lr_schedule(t, lr, min_lr, warmup_iters, cosine_cycle_iters)
+    lr ← cosine_lr_schedule(t, lr, min_lr, warmup_iters, cosine_cycle_iters)   (or wsd_lr_schedule)
     draw `batch_size` windows of the training tokens (the global batch; this process takes its slice)
     for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) / grad_accum;  backward
     clip the gradients to norm `grad_clip`;  AdamW step;  zero the gradients
@@ -19,8 +19,10 @@ stops the run before any checkpoint could save the damage.
 
 A checkpoint holds the model, the optimizer, the step, the sampling generator's state, torch's RNG state and
 the elapsed time. The schedule is a function of the step, so a resumed run continues exactly: on CPU, N steps,
-resume, N steps gives bit-for-bit the parameters of 2N steps in one go. Ctrl-C finishes the current step, saves
-a checkpoint and exits; so does the wall-clock budget `max_time_s` (counted across resumes).
+resume, N steps gives bit-for-bit the parameters of 2N steps in one go. Ctrl-C (SIGINT) and SIGTERM (`kill`,
+`timeout`, `docker stop`, a cluster scheduler) finish the current step, save a checkpoint and raise
+`Interrupted`, whose signal number the command line turns into its exit status (130, 143); so does the
+wall-clock budget `max_time_s` (counted across resumes), which returns normally.
 Resuming a run that has no steps left changes nothing in it and returns the summary it wrote.
 """
 
@@ -41,15 +43,16 @@ import torch
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
 from scratchlm.device import resolve_device
-from scratchlm.errors import DivergedError, ScratchlmError
+from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
+from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import TOKENIZER_DIR
+from scratchlm.run.load import TOKENIZER_DIR, find_checkpoint
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
-from scratchlm.training.config import TrainConfig
+from scratchlm.training.config import TrainConfig, config_changes, read_toml
 from scratchlm.training.data import gather_batch, load_tokens, sample_starts
 from scratchlm.training.distributed import (
     Distributed,
@@ -62,41 +65,52 @@ from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss import cross_entropy
 from scratchlm.training.metrics import MetricsLogger, peak_flops
 from scratchlm.training.optim import build_optimizer
-from scratchlm.training.schedule import cosine_lr_schedule
+from scratchlm.training.schedule import cosine_lr_schedule, wsd_lr_schedule
 
 EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
 
 
 class StopRequest:
-    """Ctrl-C asks the loop to stop after the current step (it then saves a checkpoint); a second Ctrl-C in a
-    single-process run aborts at once. Under torchrun every process gets the signal, and the processes agree to
-    stop at the next log step."""
+    """Ctrl-C or SIGTERM asks the loop to stop after the current step (it then saves a checkpoint); a second
+    signal in a single-process run aborts at once. Under torchrun every process gets the signal (or one of them
+    does), and the processes agree to stop at the next log step, so that all of them leave together."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, distributed: bool) -> None:
-        self.requested = False
+        self.signum: int | None = None  # the signal that asked to stop
         self.distributed = distributed
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested and not self.distributed:
-            raise KeyboardInterrupt
-        self.requested = True
-        console.print("[yellow]stopping after this step to save a checkpoint (Ctrl-C again to abort)[/]")
+            raise Interrupted(signum)
+        self.signum = signum
+        console.print(
+            f"{signal.Signals(signum).name}: stopping after this step to save a checkpoint (again to abort)",
+            style="yellow",
+        )
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
         if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
             yield self
             return
-        previous = signal.signal(signal.SIGINT, self._handle)
+        previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
-def train(config: TrainConfig, resume: bool = False) -> RunSummary:
+def train(config: TrainConfig, resume: bool = False, allow_config_change: bool = False) -> RunSummary:
     """Train a model as `config` says (continuing the run in `config.logging.run_dir` if `resume`); returns
-    the summary that is also written to `RUN/summary.json`."""
+    the summary that is also written to `RUN/summary.json`. A resumed run whose config differs from the one it
+    trained with (beyond `CHANGEABLE_ON_RESUME`) is refused unless `allow_config_change`."""
     device = resolve_device(config.training.device, option="training.device")
     dist_info, device = init_distributed(device)
     if device.type == "cpu":
@@ -105,10 +119,17 @@ def train(config: TrainConfig, resume: bool = False) -> RunSummary:
         torch.set_flush_denormal(True)
         keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
     finished = False
+    run: _Run | None = None
     try:
-        summary = _Run(config, dist_info, device, resume).run()
+        with RunDirectory(config.logging.run_dir).lock() if dist_info.is_main else contextlib.nullcontext():
+            run = _Run(config, dist_info, device, resume, allow_config_change)
+            summary = run.run()
         finished = True
         return summary
+    except Interrupted:
+        # A stop the processes agreed on: the checkpoint is saved and they leave together.
+        finished = run is not None and run.stopped is StopReason.INTERRUPTED
+        raise
     finally:
         shutdown_distributed(finished)
 
@@ -161,7 +182,12 @@ class _Run:
     """One session of a run: built from the config (and the latest checkpoint when resuming), then `run()`."""
 
     def __init__(
-        self, config: TrainConfig, dist_info: Distributed, device: torch.device, resume: bool
+        self,
+        config: TrainConfig,
+        dist_info: Distributed,
+        device: torch.device,
+        resume: bool,
+        allow_config_change: bool = False,
     ) -> None:
         self.config, self.dist, self.device = config, dist_info, device
         t, m = config.training, config.model
@@ -189,7 +215,9 @@ class _Run:
         self.generator = np.random.default_rng(t.seed)
         self.step, self.elapsed_before = 0, 0.0
         self.last_saved: int | None = None  # the step of the newest checkpoint on disk
-        self._restore(resume)
+        self._restore(resume, allow_config_change)
+        if t.init_from and self.last_saved is None:  # a new run: a resumed one continues its own weights
+            self._init_from(t.init_from)
         self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
         self.in_update = False
 
@@ -203,6 +231,7 @@ class _Run:
         # What this session has seen so far; `run` starts the clock.
         self.start_step = self.step
         self.stop = StopRequest(dist_info.enabled)
+        self.stop_signal = 0  # the signal that interrupted the run, once the processes agree on one
         self.stopped = StopReason.FINISHED
         self.final_train_loss: float | None = None
         self.final_val_loss: float | None = None
@@ -229,7 +258,7 @@ class _Run:
             )
         return tokenizer
 
-    def _restore(self, resume: bool) -> None:
+    def _restore(self, resume: bool, allow_config_change: bool) -> None:
         existing = self.run_dir.latest_checkpoint()
         if existing is not None and not resume:
             raise ScratchlmError(
@@ -240,7 +269,8 @@ class _Run:
             if resume and self.dist.is_main:
                 console.print(f"no checkpoint in {self.run_dir}: starting a new run")
             return
-        state = read_checkpoint(existing)
+        existing, state, damaged = self._newest_intact_checkpoint()
+        self._check_config_changes(state, allow_config_change)
         self.step = self.last_saved = load_checkpoint(state, self.model, self.optimizer)
         self.generator.bit_generator.state = state["data_rng"]
         torch.set_rng_state(state["torch_rng"])
@@ -248,17 +278,84 @@ class _Run:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.elapsed_before = state["elapsed_s"]
         if self.dist.is_main:
+            for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
+                console.print(f"set {bad} aside as {self.run_dir.set_aside(bad).name}", style="yellow")
+            if damaged:
+                console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
             console.print(f"resuming from {existing} (step {self.step})")
+
+    def _init_from(self, source: str) -> None:
+        """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
+        continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
+        and its tokenizer, when both are known, the one of `data.tokenizer`."""
+        path, _ = find_checkpoint(source)
+        state = read_checkpoint(path)
+        if "model_config" not in state:
+            raise ScratchlmError(f"training.init_from: checkpoint {path} has no model_config")
+        theirs, ours = ModelConfig.from_dict(state["model_config"]), self.config.model
+        differing = [
+            f"model.{name} = {getattr(ours, name)!r}, theirs {getattr(theirs, name)!r}"
+            for name in ours.to_dict() | theirs.to_dict()
+            if getattr(ours, name) != getattr(theirs, name)
+        ]
+        if differing:
+            raise ScratchlmError(
+                f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
+            )
+        recorded = state.get("tokenizer_fingerprint")
+        if recorded and self.tokenizer is not None and recorded != self.tokenizer.fingerprint:
+            raise ScratchlmError(
+                f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
+                f"({self.config.data.tokenizer})"
+            )
+        load_checkpoint(state, self.model)
+        if self.dist.is_main:
+            console.print(f"starting from the weights of {path} (step {state['iteration']}), fresh optimizer")
+
+    def _newest_intact_checkpoint(self) -> tuple[Path, dict[str, Any], list[Path]]:
+        """The newest checkpoint that reads back intact, read, and the newer ones that did not (a checksum
+        that does not match, a truncated file), each reported by name. Once the resume goes ahead, those are
+        set aside as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
+        damaged: list[Path] = []
+        for path in reversed(self.run_dir.checkpoints()):
+            try:
+                return path, read_checkpoint(path), damaged
+            except ScratchlmError as e:
+                if self.dist.is_main:
+                    console.print(f"{e}; trying the checkpoint before it", style="yellow")
+                damaged.append(path)
+        raise ScratchlmError(
+            f"no intact checkpoint in {self.run_dir.checkpoints_dir} ({len(damaged)} damaged, the newest "
+            f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
+        )
+
+    def _check_config_changes(self, state: dict[str, Any], allowed: bool) -> None:
+        """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
+        config.toml): a difference is refused unless `allowed`, and then named."""
+        recorded = state.get("train_config")
+        if recorded is None and self.run_dir.config.is_file():
+            recorded = read_toml(self.run_dir.config)
+        changes = config_changes(recorded, self.config) if recorded is not None else []
+        if changes and not allowed:
+            raise ScratchlmError(
+                f"the config differs from the one run {self.run_dir} trained with ({'; '.join(changes)}); "
+                "pass --allow-config-change to continue with the new values, or choose another logging.run_dir"
+            )
+        if changes and self.dist.is_main:
+            console.print(f"resuming with a changed config: {'; '.join(changes)}", style="yellow")
 
     # -- the pieces of a step -------------------------------------------------------------------------------
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns the (device-resident) mean loss and the gradient norm before clipping."""
         t = self.config.training
-        lr = cosine_lr_schedule(
-            self.step + 1, self.config.optimizer.lr, self.config.optimizer.min_lr,
-            self.config.schedule.warmup_iters, self.cosine_end,
-        )  # fmt: skip
+        o, s = self.config.optimizer, self.config.schedule
+        if s.kind == "wsd":
+            lr = wsd_lr_schedule(
+                self.step + 1, o.lr, o.min_lr, s.warmup_iters, self.cosine_end, s.decay_fraction
+            )
+        else:
+            lr = cosine_lr_schedule(self.step + 1, o.lr, o.min_lr, s.warmup_iters, self.cosine_end)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_scale"]
         starts = sample_starts(len(self.train_tokens), t.batch_size, self.context, self.generator)
@@ -425,17 +522,20 @@ class _Run:
         self._log({"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))})
 
     def _maybe_stop(self, at_log: bool) -> bool:
-        """Whether to stop early, for Ctrl-C or the time budget. Several processes must agree, which they do
-        at log steps."""
+        """Whether to stop early, for a signal or the time budget. Several processes must agree, which they do
+        at log steps: a signal that reached any one of them stops them all, as an interruption."""
         if self.dist.enabled and not at_log:
             return False
         budget = self.config.training.max_time_s
-        stop = self.stop.requested or bool(budget and self._elapsed() > budget)
+        signum, over_budget = self.stop.signum or 0, bool(budget and self._elapsed() > budget)
         if self.dist.enabled:
-            stop = bool(all_reduce(torch.tensor(float(stop), device=self.device), "max").item())
-        if stop:
-            self.stopped = StopReason.INTERRUPTED if self.stop.requested else StopReason.TIME_BUDGET
-        return stop
+            agreed = all_reduce(torch.tensor([signum, over_budget], dtype=torch.float32, device=self.device), "max")
+            signum, over_budget = (int(value) for value in agreed.tolist())
+        if signum:
+            self.stopped, self.stop_signal = StopReason.INTERRUPTED, signum
+        elif over_budget:
+            self.stopped = StopReason.TIME_BUDGET
+        return bool(signum or over_budget)
 
     def _save_after_abort(self) -> None:
         """After a second Ctrl-C (or any KeyboardInterrupt), save the last completed step if it is sound."""
@@ -462,7 +562,7 @@ class _Run:
             self._save()
 
     def _finish(self) -> RunSummary:
-        """Write and print the summary; an interrupted run then re-raises the Ctrl-C."""
+        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal."""
         session_time = time.perf_counter() - self.session_start
         summary = self._summary(
             wall_time_s=self._elapsed(),
@@ -477,7 +577,7 @@ class _Run:
                 + ("" if self.stopped is StopReason.FINISHED else " (continue with --resume)")
             )
         if self.stopped is StopReason.INTERRUPTED:
-            raise KeyboardInterrupt
+            raise Interrupted(self.stop_signal)
         return summary
 
     def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> RunSummary:

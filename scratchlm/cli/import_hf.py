@@ -1,0 +1,38 @@
+"""`scratchlm import-hf DIR --out RUN_DIR`: a local Hugging Face checkpoint of the Llama architecture (config.json,
+safetensors, and its byte-level BPE tokenizer.json) as a scratchlm run directory, which `generate`, `eval`,
+`export` and `train --init-from` take. See scratchlm/interop/hf.py."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = (
+    "Import a local Hugging Face Llama-architecture checkpoint as a run directory (to generate or fine-tune)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", metavar="DIR", help="directory with config.json, safetensors, tokenizer.json"
+    )
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="the run directory to create")
+
+
+def run(args: argparse.Namespace) -> None:
+    from scratchlm.console import console
+    from scratchlm.interop.hf import import_hf
+    from scratchlm.run.load import load_trained
+
+    out = import_hf(args.source, args.out)
+    trained = load_trained(out)
+    c = trained.model.config
+    attention = f"{c.num_heads} heads" + (f", {c.kv_heads} key/value heads" if c.num_kv_heads else "")
+    console.print(
+        f"imported {args.source} into {out}: {trained.model.num_parameters():,} parameters, {c.num_layers} "
+        f"layers, d_model {c.d_model}, {attention}, vocabulary {c.vocab_size:,}, context {c.context_length:,}"
+    )
+    console.print(
+        f"generate: scratchlm generate --run {out} --prompt TEXT; fine-tune: scratchlm train --config "
+        f"{out}/config.toml --set data.train=FILE --set data.valid=FILE --set training.max_steps=N "
+        "--set logging.run_dir=DIR"
+    )

@@ -1,0 +1,187 @@
+"""llama.cpp: a scratchlm model and its tokenizer as one GGUF file (written with the `gguf` package).
+
+A GGUF file is a header of typed key/value metadata followed by named tensors. What llama.cpp's "llama"
+architecture reads:
+
+    general.architecture = "llama", general.name, general.file_type (0: all float32, 1: float16, 32: bfloat16)
+    llama.context_length, .embedding_length (d_model), .block_count, .feed_forward_length (d_ff),
+    llama.attention.head_count, .head_count_kv, .layer_norm_rms_epsilon, llama.rope.freq_base (theta),
+    llama.rope.dimension_count (the head size, all of it rotated), llama.vocab_size
+    tokenizer.ggml.model = "gpt2" (byte-level BPE), .pre = "gpt-2" (GPT-2's pre-tokenizer pattern),
+    tokenizer.ggml.tokens (each token's text in GPT-2's printable byte form, special tokens as written),
+    .token_type (1 normal, 3 control = special, 5 unused = padding up to the model's vocab_size),
+    .merges ("a b", in rank order), .bos_token_id / .eos_token_id (<|endoftext|>), .add_bos_token = false
+
+Tensors (block i): token_embd, blk.i.attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate (W1),
+ffn_up (W3), ffn_down (W2), output_norm, output (absent when tied: llama.cpp then uses token_embd). Each
+matrix is stored as numpy writes a PyTorch `(out, in)` weight, which GGUF records as `ne = [in, out]`, the
+layout llama.cpp multiplies with. llama.cpp's "llama" RoPE rotates adjacent pairs, as scratchlm's does, so
+no rows are permuted (transformers' conversion script permutes back to this layout). Matrices are float32,
+float16 or bfloat16; the RMSNorm gains stay float32, as llama.cpp's own converter keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scratchlm.console import console
+from scratchlm.errors import ScratchlmError
+from scratchlm.interop import StateDictAdapter, check_exportable, require
+from scratchlm.interop.hf import RMS_NORM_EPS, ExportResult, eos_id
+from scratchlm.interop.verify import (
+    DTYPES,
+    as_stored,
+    check_logits,
+    dtype_keyword,
+    optional_transformers,
+    quiet,
+)
+from scratchlm.io import check_output_file
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.load import TrainedModel
+from scratchlm.tokenizer.serialization import token_to_text
+from scratchlm.tokenizer.tokenizer import Tokenizer
+
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+
+
+class GGUFAdapter(StateDictAdapter):
+    """scratchlm <-> llama.cpp's "llama" tensor names; both rotate adjacent pairs."""
+
+    rotates_halves = False
+    global_names = {
+        "token_embeddings.weight": "token_embd.weight",
+        "ln_final.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer_names = {
+        "ln1.weight": "blk.{i}.attn_norm.weight",
+        "attn.q_proj.weight": "blk.{i}.attn_q.weight",
+        "attn.k_proj.weight": "blk.{i}.attn_k.weight",
+        "attn.v_proj.weight": "blk.{i}.attn_v.weight",
+        "attn.output_proj.weight": "blk.{i}.attn_output.weight",
+        "ln2.weight": "blk.{i}.ffn_norm.weight",
+        "ffn.w1.weight": "blk.{i}.ffn_gate.weight",
+        "ffn.w3.weight": "blk.{i}.ffn_up.weight",
+        "ffn.w2.weight": "blk.{i}.ffn_down.weight",
+    }
+
+
+def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) for the model's `vocab_size` ids: ids the tokenizer lacks (the model may
+    have more rows than it has tokens) become unused padding tokens."""
+    specials = {tokenizer.token_id(s): s for s in tokenizer.special_tokens}
+    tokens, types = [], []
+    for token_id in range(vocab_size):
+        if token_id in specials:
+            tokens.append(specials[token_id])
+            types.append(TOKEN_CONTROL)
+        elif token_id in tokenizer.vocab:
+            tokens.append(token_to_text(tokenizer.vocab[token_id]))
+            types.append(TOKEN_NORMAL)
+        else:
+            tokens.append(f"[PAD{token_id}]")
+            types.append(TOKEN_UNUSED)
+    merges = [f"{token_to_text(a)} {token_to_text(b)}" for a, b in tokenizer.merges]
+    return tokens, types, merges
+
+
+def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: str, name: str) -> None:
+    """Write the GGUF file of `model` and `tokenizer` to `path` (see the module docstring)."""
+    gguf = require("gguf")
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_file_type(FILE_TYPES[dtype])
+    writer.add_context_length(c.context_length)
+    writer.add_embedding_length(c.d_model)
+    writer.add_block_count(c.num_layers)
+    writer.add_feed_forward_length(c.d_ff)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_vocab_size(c.vocab_size)
+
+    tokens, types, merges = gguf_vocabulary(tokenizer, c.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if (eos := eos_id(tokenizer)) is not None:
+        writer.add_bos_token_id(eos)
+        writer.add_eos_token_id(eos)
+    writer.add_add_bos_token(False)
+
+    quantization = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}
+    for tensor_name, tensor in GGUFAdapter(c).to_external(model.state_dict()).items():
+        data = tensor.detach().cpu().float().numpy()
+        qtype = quantization[dtype]
+        if qtype is None or data.ndim < 2:
+            writer.add_tensor(tensor_name, np.ascontiguousarray(data))
+        else:
+            # float16 comes back as a float16 array; bfloat16, which numpy lacks, as its bytes (uint8), whose
+            # element shape the writer works out from `raw_dtype`.
+            writer.add_tensor(tensor_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32") -> ExportResult:
+    """Write `trained` (model and tokenizer) as the GGUF file `out`. With transformers installed, its GGUF
+    reader loads the file and its logits are compared with scratchlm's before the file takes its name."""
+    out = Path(out)
+    config = trained.model.config
+    architecture = check_exportable(config, "gguf")
+    if dtype not in DTYPES:
+        raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if trained.tokenizer is None:
+        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    check_output_file(out, previous=_is_gguf, what="a GGUF file")  # before any work
+    require("gguf")
+    model = trained.model.cpu().float()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp:
+        path = Path(tmp) / out.name
+        write_gguf(model, trained.tokenizer, path, dtype, out.stem)
+        difference = _verify(path, model, dtype)
+        os.chmod(path, 0o666 & ~_umask())
+        os.replace(path, out)
+    return ExportResult(out, architecture, difference)
+
+
+def _verify(path: Path, model: TransformerLM, dtype: str) -> float | None:
+    transformers = optional_transformers()
+    if transformers is None:
+        console.print("warning: transformers is not installed, so the export was not checked against it")
+        return None
+    require("accelerate")  # transformers reads GGUF files through it
+    # The file's weights are dequantized straight into float32 (transformers calls such a model quantized, and
+    # a quantized model cannot be cast afterwards).
+    with quiet(transformers):
+        external = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, **{dtype_keyword(transformers): torch.float32}
+        ).eval()
+    reference = as_stored(model, dtype, vectors_too=False)
+    return check_logits(reference, lambda ids: external(ids).logits, "transformers' reading of the GGUF file")
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

@@ -1,0 +1,389 @@
+"""Hugging Face transformers: export a scratchlm model as a Llama (or Qwen3) checkpoint directory, and import a
+Llama-architecture checkpoint as a scratchlm run directory.
+
+An exported directory loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(
+DIR)`, no custom code:
+
+    config.json              LlamaForCausalLM (Qwen3ForCausalLM for QK-norm): the shape, rope_theta, rms_norm_eps,
+                             tie_word_embeddings, no biases
+    model.safetensors        the tensors under transformers' names (`HFAdapter`), W_Q and W_K rows permuted
+                             from RoPE's adjacent pairs to halves; the LM head left out when tied
+    generation_config.json   <|endoftext|> as the end of a sequence
+    tokenizer.json           byte-level BPE (`tokenizer_json`), with tokenizer_config.json
+
+Names, scratchlm -> transformers (block i):
+
+    token_embeddings.weight     model.embed_tokens.weight
+    layers.i.ln1.weight         model.layers.i.input_layernorm.weight
+    layers.i.attn.q_proj.weight model.layers.i.self_attn.q_proj.weight   (and k_proj, v_proj; output_proj: o_proj)
+    layers.i.attn.q_norm.weight model.layers.i.self_attn.q_norm.weight   (Qwen3; and k_norm)
+    layers.i.ln2.weight         model.layers.i.post_attention_layernorm.weight
+    layers.i.ffn.w1/w3/w2       model.layers.i.mlp.gate_proj/up_proj/down_proj
+    ln_final.weight             model.norm.weight
+    lm_head.weight              lm_head.weight
+
+Importing reads `config.json` and the safetensors (one file, or shards listed by model.safetensors.index.json),
+refusing by name every setting scratchlm does not compute (rope scaling, biases, another activation or
+epsilon, sliding windows), and the tokenizer.json if there is one. The run directory it writes is one that
+`generate`, `eval`, `export` and `train --init-from` take:
+
+    RUN/checkpoints/step_00000000.pt   the weights (float32), model_config, tokenizer_fingerprint, imported_from
+    RUN/tokenizer/                     the tokenizer, as `Tokenizer.save` writes it
+    RUN/config.toml                    a training config to fine-tune from: [data] tokenizer, [model],
+                                       [training] init_from (add data.train, data.valid and a budget)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from scratchlm.console import console
+from scratchlm.errors import ScratchlmError
+from scratchlm.interop import (
+    ARCHITECTURES,
+    QWEN3,
+    Architecture,
+    StateDictAdapter,
+    check_exportable,
+    require,
+)
+from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
+from scratchlm.interop.verify import DTYPES, as_stored, check_logits, optional_transformers, quiet
+from scratchlm.io import atomic_directory, atomic_write, check_output_dir
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.directory import RUN_KIND, RunDirectory
+from scratchlm.run.load import TOKENIZER_DIR, TrainedModel
+from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer.tokenizer import Tokenizer
+
+RMS_NORM_EPS = 1e-5  # scratchlm's RMSNorm epsilon (`layers.RMSNorm`)
+HF_EXPORT_KIND = "hf-export"  # the output marker of an exported directory (scratchlm.io)
+# A text that exercises every kind of pre-token, special tokens and multi-byte characters: the exported
+# tokenizer must give scratchlm's ids on it.
+CHECK_TEXT = "Hello, world! It's 2024: naïve café, 東京, emoji 🙂.\n\n\tx  y {END_OF_TEXT}after"
+
+
+class HFAdapter(StateDictAdapter):
+    """scratchlm <-> transformers' Llama and Qwen3 names; transformers' RoPE rotates halves."""
+
+    rotates_halves = True
+    global_names = {
+        "token_embeddings.weight": "model.embed_tokens.weight",
+        "ln_final.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    layer_names = {
+        "ln1.weight": "model.layers.{i}.input_layernorm.weight",
+        "attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+        "attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+        "attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+        "attn.output_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        "attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+        "attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+        "ln2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "ffn.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+        "ffn.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+        "ffn.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    }
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    architecture: Architecture
+    max_logit_difference: float | None  # None: transformers is not installed, nothing was compared
+
+
+# -- export ----------------------------------------------------------------------------------------------------
+
+
+def eos_id(tokenizer: Tokenizer) -> int | None:
+    """The id of <|endoftext|>, which ends a sequence (and starts one), if the tokenizer has it."""
+    return tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
+
+
+def hf_config(
+    config: ModelConfig, architecture: Architecture, tokenizer: Tokenizer, dtype: str
+) -> dict[str, Any]:
+    """config.json: transformers' names for the model of `config`."""
+    eos = eos_id(tokenizer)
+    values: dict[str, Any] = {
+        "architectures": [architecture.hf_class],
+        "model_type": architecture.name,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.context_length,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if architecture is QWEN3:
+        values |= {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": config.num_layers,
+        }
+    return values
+
+
+def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json: a fast tokenizer that adds no tokens around the text and
+    decodes without touching spaces."""
+    eos = END_OF_TEXT if END_OF_TEXT in tokenizer.special_tokens else None
+    _write_json(directory / "tokenizer.json", to_tokenizer_json(tokenizer))
+    _write_json(
+        directory / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": context_length,
+            "bos_token": eos,
+            "eos_token": eos,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+
+
+def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32") -> ExportResult:
+    """Write `trained` (model and tokenizer) as a transformers checkpoint directory `out`, replacing an earlier
+    export there. With transformers installed the directory is loaded back and its logits compared with
+    scratchlm's before it replaces `out`."""
+    out = Path(out)
+    config = trained.model.config
+    architecture = check_exportable(config, "hf")
+    if dtype not in DTYPES:
+        raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if trained.tokenizer is None:
+        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    check_output_dir(out, HF_EXPORT_KIND)  # before any work: only an earlier export may be replaced
+    safetensors_torch = require("safetensors.torch")
+    model = trained.model.cpu().float()
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in HFAdapter(config).to_external(model.state_dict()).items()}
+    with atomic_directory(out, HF_EXPORT_KIND) as tmp:
+        safetensors_torch.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(tmp / "config.json", hf_config(config, architecture, trained.tokenizer, dtype))
+        eos = eos_id(trained.tokenizer)
+        _write_json(tmp / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos})
+        write_tokenizer(trained.tokenizer, tmp, config.context_length)
+        difference = _verify(tmp, model, trained.tokenizer, dtype)
+    return ExportResult(out, architecture, difference)
+
+
+def _verify(directory: Path, model: TransformerLM, tokenizer: Tokenizer, dtype: str) -> float | None:
+    """Load `directory` with transformers: its tokenizer must give scratchlm's ids on `CHECK_TEXT`, its model
+    scratchlm's logits (`verify.check_logits`). None when transformers is not installed."""
+    transformers = optional_transformers()
+    if transformers is None:
+        console.print("warning: transformers is not installed, so the export was not checked against it")
+        return None
+    with quiet(transformers):
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).float().eval()
+    text = CHECK_TEXT.format(END_OF_TEXT=END_OF_TEXT)
+    if hf_tokenizer.encode(text) != tokenizer.encode(text):
+        raise ScratchlmError(f"transformers' tokenizer of {directory} encodes other ids than scratchlm's")
+    return check_logits(as_stored(model, dtype), lambda ids: hf_model(ids).logits, "the transformers model")
+
+
+# -- import ----------------------------------------------------------------------------------------------------
+
+
+def model_config_from_hf(values: Any, source: str) -> ModelConfig:
+    """The `ModelConfig` of a transformers config.json (parsed); a one-line error naming the field that
+    scratchlm's model does not compute."""
+    if not isinstance(values, dict):
+        raise ScratchlmError(f"{source} is not a JSON object")
+    architectures = {a.name: a for a in ARCHITECTURES}
+    architecture = architectures.get(values.get("model_type"))
+    if architecture is None:
+        raise ScratchlmError(
+            f"{source}: model_type {values.get('model_type')!r} is not supported; scratchlm imports the Llama "
+            f"architecture ({', '.join(repr(name) for name in architectures)})"
+        )
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+    )
+    missing = [key for key in required if key not in values]
+    if missing:
+        raise ScratchlmError(f"{source} has no {', '.join(missing)}")
+    rope = values.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling here
+    unsupported = {
+        "hidden_act": (values.get("hidden_act", "silu"), "silu"),
+        "rope_scaling": (values.get("rope_scaling"), None),
+        "rope_parameters.rope_type": (rope.get("rope_type", "default"), "default"),
+        "attention_bias": (values.get("attention_bias", False), False),
+        "mlp_bias": (values.get("mlp_bias", False), False),
+        "rms_norm_eps": (values.get("rms_norm_eps", RMS_NORM_EPS), RMS_NORM_EPS),
+        "use_sliding_window": (values.get("use_sliding_window", False), False),
+    }
+    for key, (value, expected) in unsupported.items():
+        if value != expected:
+            raise ScratchlmError(
+                f"{source}: {key} = {json.dumps(value)} is not supported (scratchlm: {json.dumps(expected)})"
+            )
+    heads = values["num_attention_heads"]
+    head_dim = values.get("head_dim")
+    if (
+        head_dim is not None
+        and isinstance(heads, int)
+        and heads
+        and head_dim * heads != values["hidden_size"]
+    ):
+        raise ScratchlmError(
+            f"{source}: head_dim = {head_dim} is not hidden_size / num_attention_heads, as scratchlm's is"
+        )
+    try:
+        return ModelConfig(
+            vocab_size=values["vocab_size"],
+            context_length=values["max_position_embeddings"],
+            d_model=values["hidden_size"],
+            num_layers=values["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=values.get("num_key_value_heads") or heads,
+            d_ff=values["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", values.get("rope_theta", 10_000.0))),
+            tie_embeddings=bool(values.get("tie_word_embeddings", False)),
+            **architecture.departures,
+        )
+    except (ScratchlmError, TypeError, ValueError) as e:
+        raise ScratchlmError(f"{source}: {e}") from None
+
+
+def read_safetensors(directory: Path) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint in `directory`, in float32: `model.safetensors`, or the shards that
+    `model.safetensors.index.json` lists."""
+    safetensors_torch = require("safetensors.torch")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ScratchlmError(f"{index} has no weight_map")
+        files = sorted(set(weight_map.values()))
+    elif (directory / "model.safetensors").is_file():
+        files, weight_map = ["model.safetensors"], None
+    else:
+        pickles = sorted(p.name for p in directory.glob("*.bin"))
+        found = f" (found {pickles[0]}, a pickle: only safetensors are read)" if pickles else ""
+        raise ScratchlmError(f"{directory} has no model.safetensors or model.safetensors.index.json{found}")
+    tensors: dict[str, Tensor] = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise ScratchlmError(f"{path}, listed in {index.name}, not found")
+        try:
+            loaded = safetensors_torch.load_file(str(path))
+        except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ScratchlmError(f"cannot read {path}: {reason}") from None
+        tensors.update({key: value.float() for key, value in loaded.items()})
+    if weight_map is not None:
+        absent = [key for key in weight_map if key not in tensors]
+        if absent:
+            raise ScratchlmError(f"{index} lists {absent[0]}, which is in none of its files")
+    # Old checkpoints saved RoPE's frequencies, which are computed from rope_theta, not learnt.
+    return {key: value for key, value in tensors.items() if not key.endswith("rotary_emb.inv_freq")}
+
+
+def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]:
+    """The scratchlm model (in eval mode) and tokenizer of a transformers checkpoint directory."""
+    directory = Path(source)
+    if not directory.is_dir():
+        raise ScratchlmError(f"{directory} is not a directory (expected a Hugging Face checkpoint directory)")
+    config_path = directory / "config.json"
+    config = model_config_from_hf(_read_json(config_path), str(config_path))
+    tokenizer = None
+    tokenizer_path = directory / "tokenizer.json"
+    if tokenizer_path.is_file():
+        tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path))
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ScratchlmError(
+                f"{tokenizer_path} has {tokenizer.vocab_size} tokens, more than vocab_size ({config.vocab_size})"
+            )
+    state = HFAdapter(config).from_external(read_safetensors(directory), str(directory))
+    model = TransformerLM.from_config(config)
+    model.load_state_dict(state)
+    return model.eval(), tokenizer
+
+
+def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Turn the transformers checkpoint directory `source` into the scratchlm run directory `out` (new, or
+    empty); returns `out`."""
+    from scratchlm.training.checkpoint import save_checkpoint
+    from scratchlm.training.config import OptimizerConfig, to_toml
+    from scratchlm.training.optim import build_optimizer
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # not even an earlier run: it would be lost
+        raise ScratchlmError(f"output {out} exists and is not empty; choose a new run directory")
+    model, tokenizer = read_hf(source)
+    if tokenizer is None:
+        console.print(f"warning: {source} has no tokenizer.json; give generate a --tokenizer DIR")
+    final = out.resolve()
+    extra: dict[str, Any] = {"imported_from": str(Path(source).resolve())}
+    if tokenizer is not None:
+        extra["tokenizer_fingerprint"] = tokenizer.fingerprint
+    # A run directory as training leaves one, at step 0; the optimizer state is empty, and `--init-from`
+    # starts a fresh one anyway.
+    optimizer = build_optimizer(OptimizerConfig(), model)
+    settings: dict[str, dict[str, Any]] = {
+        "model": model.config.to_dict(),
+        "training": {"init_from": str(final)},
+    }
+    if tokenizer is not None:
+        settings = {"data": {"tokenizer": str(final / TOKENIZER_DIR)}, **settings}
+    with atomic_directory(out, RUN_KIND) as tmp:
+        run = RunDirectory(tmp)
+        save_checkpoint(model, optimizer, 0, run.checkpoint(0), **extra)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_DIR)
+        with atomic_write(run.config, "w") as f:
+            f.write(
+                f"# Imported from {Path(source).resolve()} by `scratchlm import-hf`. To fine-tune, add the\n"
+            )
+            f.write(
+                "# data and a budget: --set data.train=... --set data.valid=... --set training.max_steps=...\n"
+            )
+            f.write(to_toml(settings))
+    return out
+
+
+def _write_json(path: Path, values: Any) -> None:
+    path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise ScratchlmError(f"{path} not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ScratchlmError(f"{path} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ScratchlmError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None

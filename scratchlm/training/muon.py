@@ -1,0 +1,170 @@
+"""Muon for the hidden weight matrices, AdamW for everything else, in one optimizer.
+
+Muon (Jordan et al., 2024; modded-nanogpt, nanochat) keeps one momentum buffer per matrix and steps along the
+*orthogonalised* momentum: the gradient's singular vectors with every singular value set to about 1. For a
+gradient `G` of a `(rows, cols)` weight, with momentum μ and learning rate α:
+
+    B ← μ B + (1 - μ) G                          (momentum buffer)
+    M = (1 - μ) G + μ B                          (Nesterov look-ahead; M = B without it)
+    O ≈ U Vᵀ  where  M = U Σ Vᵀ                  (Newton–Schulz, below)
+    W ← W (1 - α λ)  -  α · sqrt(max(1, rows / cols)) · O
+
+An AdamW step moves each weight on its own; a gradient matrix is usually dominated by a few directions, so
+most of such a step goes into those. `U Vᵀ` moves the matrix by the same amount along every direction the
+gradient has, which is steepest descent under the spectral norm, the natural norm of a linear map. The factor
+`sqrt(rows / cols)` for tall matrices keeps the update's effect on the outputs comparable across shapes.
+
+`U Vᵀ` is computed without an SVD by the quintic Newton–Schulz iteration of modded-nanogpt: after scaling `M`
+to Frobenius norm 1 (so every singular value is at most 1),
+
+    X ← a X + (b A + c A²) X    with    A = X Xᵀ,   (a, b, c) = (3.4445, -4.7750, 2.0315)
+
+applies the polynomial `p(σ) = a σ + b σ³ + c σ⁵` to every singular value and leaves the singular vectors
+alone. The coefficients make `p` rise as steeply as possible from 0, so five iterations bring every singular
+value into about [0.7, 1.2] (not exactly 1: a spread that costs nothing measurable and saves iterations). Only
+matrix products are used, so it runs in bfloat16 where the hardware multiplies bfloat16 natively. The
+iteration multiplies by the smaller Gram matrix: a tall matrix is transposed first.
+
+The optimizer is one `torch.optim.Optimizer`, so the training loop, checkpoints and the learning-rate schedule
+treat it like AdamW: each parameter group carries an `algorithm` ("muon" or "adamw") and its own
+hyperparameters. Embeddings, the output head and the gains stay with AdamW: an embedding row is a lookup, not a
+linear map, and a gain is a vector (`scratchlm.training.optim.build_optimizer` makes the groups). Matrices of
+one shape are orthogonalised together as one batch of matrix products. Under DistributedDataParallel the
+gradients are already averaged across processes when `step()` runs, so every process computes the same update
+on its own and the copies stay identical (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.training.optim import Params, _check_positive, adamw_update
+
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+ALGORITHMS = ("muon", "adamw")
+
+
+def newton_schulz(
+    G: Float[Tensor, "... rows cols"], steps: int = 5, dtype: torch.dtype = torch.bfloat16
+) -> Float[Tensor, "... rows cols"]:
+    """`U Vᵀ` of `G = U Σ Vᵀ`, approximately (singular values in about [0.7, 1.2] after 5 steps), for each
+    matrix of a batch; computed in `dtype` and returned in `G`'s dtype."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.to(dtype)
+    if tall:
+        X = X.mT
+    # The Frobenius norm bounds the spectral norm: after this every singular value is in [0, 1].
+    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the device multiplies it natively (CUDA with bf16, CPUs with AVX-512 BF16 or AMX),
+    otherwise float32."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the parameter groups whose `algorithm` is "muon" (2-D matrices only), AdamW for those whose
+    `algorithm` is "adamw"; the update rules are in the module docstring and `scratchlm.training.optim`.
+
+    `ns_dtype` is the Newton–Schulz iteration's dtype; None: `newton_schulz_dtype` of each matrix's device.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        algorithm: str = "muon",
+        ns_dtype: torch.dtype | None = None,
+    ) -> None:
+        _check_positive("lr", lr)
+        _check_positive("eps", eps)
+        _check_positive("weight_decay", weight_decay)
+        if not 0 <= momentum < 1:
+            raise ScratchlmError(f"Muon momentum must lie in [0, 1), got {momentum!r}")
+        if ns_steps < 1:
+            raise ScratchlmError(f"Muon needs at least one Newton–Schulz step, got {ns_steps}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ScratchlmError(f"optimizer betas must lie in [0, 1), got {tuple(betas)!r}")
+        defaults = {
+            "lr": lr, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "betas": tuple(betas),
+            "eps": eps, "weight_decay": weight_decay, "algorithm": algorithm,
+        }  # fmt: skip
+        super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            if group["algorithm"] not in ALGORITHMS:
+                raise ScratchlmError(
+                    f"parameter group algorithm must be one of {', '.join(ALGORITHMS)}, got {group['algorithm']!r}"
+                )
+            if group["algorithm"] == "muon" and any(p.dim() != 2 for p in group["params"]):
+                name = group.get("name", "a Muon group")
+                raise ScratchlmError(
+                    f"Muon orthogonalises matrices; {name} holds a parameter that is not 2-D"
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                adamw_update(group, self.state)
+            else:
+                self._muon_update(group)
+        return loss
+
+    def _muon_update(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buffers.append(state["momentum_buffer"])
+        momentum, lr = group["momentum"], group["lr"]
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)  # B + (1-μ)(G - B) = μ B + (1-μ) G
+        directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+
+        # Matrices of one shape (and device) are orthogonalised as one batch.
+        by_shape: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            by_shape.setdefault((p.shape, p.device), []).append(i)
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        for (_, device), indices in by_shape.items():
+            dtype = self.ns_dtype or newton_schulz_dtype(device)
+            orthogonal = newton_schulz(
+                torch.stack([directions[i] for i in indices]), group["ns_steps"], dtype
+            )
+            for i, update in zip(indices, orthogonal.unbind(0), strict=True):
+                rows, cols = params[i].shape
+                params[i].add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
