@@ -46,7 +46,7 @@ from scratchlm.training.schedule import cosine_lr_schedule
 
 
 class Rotary(nn.Module):
-    """RoPE on adjacent pairs (x[2k], x[2k+1]), as the specification defines it."""
+    """RoPE on adjacent pairs (x[2k], x[2k+1]), as the CS336 assignment-1 handout (Stanford, spring 2025) defines it."""
 
     def __init__(self, head_dim: int, context: int, theta: float) -> None:
         super().__init__()

@@ -153,3 +153,15 @@ def test_steps_that_fit_the_budget_at_the_measured_speed(tmp_path: Path) -> None
     assert steps_that_fit(tmp_path, measured, 100.0, 100) == 25 + 644
     # A budget already spent adds no steps.
     assert steps_that_fit(tmp_path, measured, 20.0, 100) == 25
+
+
+@pytest.mark.slow
+def test_the_full_quickstart_learns_in_one_minute(tmp_path: Path) -> None:
+    """The default quickstart (the whole standard library, 4,096-token vocabulary, the compiled 4-layer model)
+    with one minute of training: the model must have learnt from context, ending at least 1.5 nats/token below
+    the unigram entropy (a model that ignores context)."""
+    out = tmp_path / "quickstart"
+    assert main(["quickstart", "--out", str(out), "--minutes", "1"]) == 0
+    report = json.loads((out / "quickstart.json").read_text())
+    assert report["steps"] > 50 and report["training_seconds"] <= 60 * 1.1
+    assert report["val_loss"] < report["unigram_entropy"] - 1.5

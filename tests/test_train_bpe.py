@@ -1,5 +1,5 @@
 """BPE training against the reference merges, the spec's worked example, and a brute-force trainer written
-here from SPEC §1 (recount every pair at every step), on many random corpora."""
+here from the CS336 assignment-1 handout (Stanford, spring 2025) (recount every pair at every step), on many random corpora."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def spec_pretokens(text: str, special_tokens: list[str]) -> Counter[bytes]:
 
 
 def brute_force_merges(words: Counter[bytes], num_merges: int) -> list[tuple[bytes, bytes]]:
-    """SPEC §1 literally: recount all pairs, merge the most frequent, ties to the greater pair of bytes."""
+    """The handout's algorithm literally: recount all pairs, merge the most frequent, ties to the greater pair of bytes."""
     split = {tuple(bytes([b]) for b in word): count for word, count in words.items()}
     merges: list[tuple[bytes, bytes]] = []
     while len(merges) < num_merges:

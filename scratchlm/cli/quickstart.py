@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("fast", "spec"),
         default="fast",
         help="fast: Muon, QK-norm, ReLU², zero init, logit soft-capping, WSD schedule (docs/experiments.md); "
-        "spec: the specification's AdamW + cosine (default: fast)",
+        "spec: the AdamW + cosine of the CS336 assignment-1 handout (default: fast)",
     )
     parser.add_argument(
         "--text",

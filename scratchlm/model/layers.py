@@ -400,7 +400,7 @@ class MultiHeadSelfAttention(nn.Module):
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """The specification's signature: RoPE with `theta` (which needs `max_seq_len`), none without."""
+        """The signature of the CS336 assignment-1 handout (Stanford, spring 2025): RoPE with `theta` (which needs `max_seq_len`), none without."""
         super().__init__()
         if d_model % num_heads:
             raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
@@ -475,7 +475,7 @@ class MultiHeadSelfAttention(nn.Module):
 
 
 def build_from_config(cls: type, config: ModelConfig, device: Device, dtype: torch.dtype | None) -> Any:
-    """A module of class `cls` built by its `build(config, device, dtype)`, bypassing the specification's
+    """A module of class `cls` built by its `build(config, device, dtype)`, bypassing the handout's
     loose-argument `__init__`: the path every model part takes inside `TransformerLM`."""
     module = cls.__new__(cls)
     nn.Module.__init__(module)

@@ -56,7 +56,7 @@ class TransformerBlock(nn.Module):
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """The specification's signature (`theta=None`: no position encoding); `from_config` is the way
+        """The signature of the CS336 assignment-1 handout (Stanford, spring 2025) (`theta=None`: no position encoding); `from_config` is the way
         `TransformerLM` builds its blocks."""
         super().__init__()
         config = ModelConfig(
@@ -124,7 +124,7 @@ class TransformerLM(nn.Module):
         dtype: torch.dtype | None = None,
         **switches: Any,
     ) -> None:
-        """The specification's signature; the other `ModelConfig` fields (`norm`, `positions`, `ffn`,
+        """The handout's signature; the other `ModelConfig` fields (`norm`, `positions`, `ffn`,
         `tie_embeddings`, ...) are keyword arguments. `TransformerLM.from_config(config)` is the same."""
         super().__init__()
         config = ModelConfig(

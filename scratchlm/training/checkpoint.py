@@ -2,7 +2,7 @@
 
 A checkpoint is one `torch.save`d dict:
 
-    model         the model's state dict, under the specification's names (`layers.0.attn.q_proj.weight`, ...)
+    model         the model's state dict, under the names of the CS336 assignment-1 handout (Stanford, spring 2025) (`layers.0.attn.q_proj.weight`, ...)
     optimizer     the optimizer's state dict (AdamW moments and step counts)
     iteration     the number of optimizer steps taken
     model_config  `ModelConfig.to_dict()`, so the model can be rebuilt without the training config

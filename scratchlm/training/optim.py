@@ -1,4 +1,4 @@
-"""Optimizers written from the update rules: the handout's toy SGD and AdamW.
+"""Optimizers written from the update rules: the toy SGD of the CS336 assignment-1 handout (Stanford, spring 2025), and AdamW.
 
 AdamW (Loshchilov & Hutter, 2019) keeps, per parameter, running averages of the gradient and of its square,
 
@@ -158,7 +158,7 @@ def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Paramete
 
 def build_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer `config` describes over `model`'s parameter groups (see the module docstring); groups
-    without parameters are left out. The specification's recipe gives every group the same settings.
+    without parameters are left out. The handout's recipe gives every group the same settings.
 
     A group's peak rate is `config.lr` unless the config gives it its own (`embedding_lr`, `head_lr`, and
     `muon_lr` for the matrices under Muon); its `lr_scale` is that rate over `config.lr`, so the schedule
