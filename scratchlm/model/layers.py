@@ -140,9 +140,10 @@ class SwiGLU(nn.Module):
         return self.w2(silu(self.w1(x)) * self.w3(x))
 
 
-class SiLUFeedForward(nn.Module):
-    """The ungated feed-forward network `W2 silu(W1 x)` of the SwiGLU ablation (with `d_ff = 4 d_model` it has
-    as many parameters as SwiGLU with `d_ff = 8/3 d_model`)."""
+class UngatedFeedForward(nn.Module):
+    """`W2 act(W1 x)`, `W1: (d_ff, d_model)`, `W2: (d_model, d_ff)`: the classic two-matrix feed-forward
+    network; a subclass names its activation. With `d_ff = 4 d_model` it has as many parameters as SwiGLU with
+    `d_ff = 8/3 d_model`."""
 
     def __init__(
         self,
@@ -155,28 +156,31 @@ class SiLUFeedForward(nn.Module):
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
 
-    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        return self.w2(silu(self.w1(x)))
-
-
-class ReLUSquaredFeedForward(nn.Module):
-    """`W2 relu(W1 x)²` (Primer, So et al., 2021): ungated like `SiLUFeedForward`, with as many parameters at
-    `d_ff = 4 d_model`. Squaring makes the activation sparse (half the pre-activations are exactly 0) yet
-    smooth where it is active; modded-nanogpt and nanochat use it in place of SwiGLU."""
-
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+    @staticmethod
+    def activation(x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
+        raise NotImplementedError
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        return self.w2(self.w1(x).clamp_min(0).square())
+        return self.w2(self.activation(self.w1(x)))
+
+
+class SiLUFeedForward(UngatedFeedForward):
+    """`W2 silu(W1 x)`, the ungated network that the SwiGLU ablation compares with."""
+
+    activation = staticmethod(silu)
+
+
+def relu_squared(x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
+    """`relu(x)²`."""
+    return x.clamp_min(0).square()
+
+
+class ReLUSquaredFeedForward(UngatedFeedForward):
+    """`W2 relu(W1 x)²` (Primer, So et al., 2021). Squaring makes the activation sparse (half the
+    pre-activations are exactly 0) yet smooth where it is active; modded-nanogpt and nanochat use it in place
+    of SwiGLU."""
+
+    activation = staticmethod(relu_squared)
 
 
 #: `ModelConfig.ffn` -> the feed-forward network of every block; each takes `(d_model, d_ff, device, dtype)`.

@@ -44,7 +44,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.training.optim import Params, _check_positive, adamw_update
+from scratchlm.training.optim import Params, _check_positive, adamw_update, evaluate_closure
 
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ALGORITHMS = ("muon", "adamw")
@@ -128,10 +128,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 adamw_update(group, self.state)

@@ -41,6 +41,15 @@ def _check_positive(name: str, value: float, allow_zero: bool = True) -> None:
         raise ScratchlmError(f"optimizer {name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+def evaluate_closure(closure: Callable[[], float] | None) -> float | None:
+    """`Optimizer.step`'s optional closure, which re-evaluates the model and returns the loss, run with
+    gradients enabled (the step itself runs under no_grad); None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class SGD(torch.optim.Optimizer):
     """The handout's example: `θ ← θ - lr / sqrt(t + 1) · g`, with t the number of steps taken so far."""
 
@@ -50,10 +59,7 @@ class SGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -85,10 +91,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             adamw_update(group, self.state)
         return loss
