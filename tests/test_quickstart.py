@@ -156,12 +156,13 @@ def test_steps_that_fit_the_budget_at_the_measured_speed(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_the_full_quickstart_learns_in_one_minute(tmp_path: Path) -> None:
-    """The default quickstart (the whole standard library, 4,096-token vocabulary, the compiled 4-layer model)
-    with one minute of training: the model must have learnt from context, ending at least 1.5 nats/token below
-    the unigram entropy (a model that ignores context)."""
+def test_the_full_quickstart_learns_in_two_minutes(tmp_path: Path) -> None:
+    """The default quickstart (the whole standard library, 4,096-token vocabulary, the compiled 4-layer model,
+    the fast recipe) with two minutes of training, about half of which the first compilation takes: the
+    model must have learnt from context, ending at least 1.5 nats/token below the unigram entropy (a model
+    that ignores context), within the budget and a little over (the budget is checked between steps)."""
     out = tmp_path / "quickstart"
-    assert main(["quickstart", "--out", str(out), "--minutes", "1"]) == 0
+    assert main(["quickstart", "--out", str(out), "--minutes", "2"]) == 0
     report = json.loads((out / "quickstart.json").read_text())
-    assert report["steps"] > 50 and report["training_seconds"] <= 60 * 1.1
+    assert report["steps"] > 50 and report["training_seconds"] <= 120 * 1.1
     assert report["val_loss"] < report["unigram_entropy"] - 1.5
