@@ -238,7 +238,9 @@ def test_cli_download_and_its_errors(server, tmp_path, capsys):
     assert err.strip().count("\n") == 0 and "HTTP 404" in err
 
 
-HTML_PAGE = b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>Sign in to continue</body></html>\n"
+HTML_PAGE = (
+    b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>Sign in to continue</body></html>\n"
+)
 
 
 @pytest.mark.parametrize(

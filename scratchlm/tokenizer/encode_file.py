@@ -97,7 +97,10 @@ def encode_file(
     worker_peaks: dict[int, float] = {}
     # The workers start before the progress display, whose refresh thread a fork should not copy.
     what = f"encoding {input_path} failed, so {output_path} was not written"
-    with _chunk_encoder(tokenizer, dtype, workers, what) as encode_chunks, atomic_write(output_path, "wb") as out:
+    with (
+        _chunk_encoder(tokenizer, dtype, workers, what) as encode_chunks,
+        atomic_write(output_path, "wb") as out,
+    ):
         out.write(b"\0" * HEADER_BYTES)  # replaced by the real header once the length is known
         with progress() as bar:
             task = bar.add_task(f"encoding {input_path.name}", total=num_bytes, visible=show_progress)

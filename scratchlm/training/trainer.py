@@ -529,7 +529,9 @@ class _Run:
         budget = self.config.training.max_time_s
         signum, over_budget = self.stop.signum or 0, bool(budget and self._elapsed() > budget)
         if self.dist.enabled:
-            agreed = all_reduce(torch.tensor([signum, over_budget], dtype=torch.float32, device=self.device), "max")
+            agreed = all_reduce(
+                torch.tensor([signum, over_budget], dtype=torch.float32, device=self.device), "max"
+            )
             signum, over_budget = (int(value) for value in agreed.tolist())
         if signum:
             self.stopped, self.stop_signal = StopReason.INTERRUPTED, signum
