@@ -111,3 +111,15 @@ def reference_from(model: nn.Module) -> ReferenceLM:
     reference = ReferenceLM(model.config)
     reference.load_state_dict(model.state_dict(), strict=True)
     return reference
+
+
+def assert_matches_reference(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    """`model`'s logits and the gradients of its cross-entropy equal those of its `reference_from` twin."""
+    reference = reference_from(model)
+    logits, expected = model(tokens), reference(tokens)
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(expected.flatten(0, 1), targets.flatten()).backward()
+    ours = dict(model.named_parameters())
+    for key, param in reference.named_parameters():
+        torch.testing.assert_close(ours[key].grad, param.grad, atol=2e-5, rtol=1e-3, msg=key)

@@ -7,8 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from reference_lm import reference_from
+from reference_lm import assert_matches_reference
 from torch.utils.flop_counter import FlopCounterMode
 
 from scratchlm import ModelConfig, TransformerLM, generate
@@ -30,17 +29,7 @@ def ids(*shape: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("kv_heads", [1, 2, 3])
 @pytest.mark.parametrize("seq", [11, 75])  # 75: several blocks of queries in causal_attention
 def test_logits_and_gradients_match_torch_gqa(kv_heads, seq):
-    model = tiny_model(num_kv_heads=kv_heads)
-    reference = reference_from(model)
-    tokens, targets = ids(2, seq), ids(2, seq, seed=2)
-    logits, expected = model(tokens), reference(tokens)
-    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
-
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    F.cross_entropy(expected.flatten(0, 1), targets.flatten()).backward()
-    ours = dict(model.named_parameters())
-    for key, param in reference.named_parameters():
-        torch.testing.assert_close(ours[key].grad, param.grad, atol=2e-5, rtol=1e-3, msg=key)
+    assert_matches_reference(tiny_model(num_kv_heads=kv_heads), ids(2, seq), ids(2, seq, seed=2))
 
 
 def test_key_and_value_projections_have_kv_heads_rows():

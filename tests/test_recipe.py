@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_state
 from reference_lm import complex_rope
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -217,12 +218,7 @@ def test_muon_wsd_recipe_learns_and_resumes_bit_for_bit(tmp_path):
     train(recipe_config(tmp_path, "resumed"), resume=True)
     a, b = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
     assert a["iteration"] == b["iteration"] == 12
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for index, state in a["optimizer"]["state"].items():
-        for name, value in state.items():
-            other = b["optimizer"]["state"][index][name]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    assert_same_state(a, b)
     assert metrics(tmp_path / "straight", "train_loss") == metrics(tmp_path / "resumed", "train_loss")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_state
 
 from scratchlm import AdamW, cross_entropy, train
 from scratchlm.errors import DivergedError, ScratchlmError
@@ -58,16 +59,6 @@ def records(run_dir: Path, key: str) -> list[dict]:
 def final_state(run_dir: Path) -> dict:
     checkpoints = sorted((run_dir / "checkpoints").iterdir())
     return torch.load(checkpoints[-1], weights_only=True)
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert a["iteration"] == b["iteration"]
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for index, state in a["optimizer"]["state"].items():
-        for name, value in state.items():
-            other = b["optimizer"]["state"][index][name]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
 
 
 def test_a_tiny_model_overfits_one_batch():

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_lm import reference_from
+from reference_lm import assert_matches_reference
 
 from scratchlm import ModelConfig, TransformerBlock, TransformerLM
 from scratchlm.errors import ScratchlmError
@@ -60,16 +60,7 @@ def test_from_config_keeps_the_config():
 @pytest.mark.parametrize(("name", "seq"), [(name, 11) for name in ABLATIONS] + [("default", 150)])
 def test_logits_and_gradients_match_reference(name, seq):
     model = tiny_model(context_length=160, **ABLATIONS[name])
-    reference = reference_from(model)
-    tokens, targets = ids(3, seq), ids(3, seq, seed=2)
-    logits, expected = model(tokens), reference(tokens)
-    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
-
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    F.cross_entropy(expected.flatten(0, 1), targets.flatten()).backward()
-    ours = dict(model.named_parameters())
-    for key, param in reference.named_parameters():
-        torch.testing.assert_close(ours[key].grad, param.grad, atol=2e-5, rtol=1e-3, msg=key)
+    assert_matches_reference(model, ids(3, seq), ids(3, seq, seed=2))
 
 
 def test_ablations_change_the_state_dict_as_expected():
