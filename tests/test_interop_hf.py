@@ -287,6 +287,8 @@ def test_tokenizer_json_made_by_tokenizers_imports_as_the_same_tokenizer(tmp_pat
         ({"ffn": "relu2"}, "the ReLU² MLP (model.ffn = 'relu2')"),
         ({"logit_softcap": 30.0}, "logit soft-capping (model.logit_softcap = 30.0)"),
         ({"qk_norm": True, "logit_softcap": 30.0}, "logit soft-capping (model.logit_softcap = 30.0)"),
+        ({"value_embeddings": 1}, "value embeddings (model.value_embeddings = 1)"),
+        ({"unet_skips": True}, "U-net skips (model.unet_skips = True)"),
     ],
 )
 def test_export_refuses_what_the_target_cannot_compute(tmp_path, capsys, changes, feature):

@@ -1,5 +1,5 @@
-"""The fast recipe's switches: the model with QK-norm, ReLU² and logit soft-capping against a torch.nn.functional
-oracle, zero-initialised output projections, the KV cache, exact accounting, the WSD schedule by hand, and
+"""The fast recipe's switches: the model with QK-norm, ReLU², logit soft-capping, value embeddings and U-net skips
+against a torch.nn.functional oracle, zero-initialised output projections, the KV cache, exact accounting, the WSD schedule by hand, and
 training with Muon + WSD: exact resume, and two DDP processes equal to one."""
 
 import dataclasses
@@ -24,11 +24,17 @@ from scratchlm.model import accounting
 from scratchlm.training.config import TrainConfig
 
 TINY = ModelConfig(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_heads=4)
-RECIPE = {"qk_norm": True, "ffn": "relu2", "zero_init": True, "logit_softcap": 5.0}
+RECIPE = {
+    "qk_norm": True, "ffn": "relu2", "zero_init": True, "logit_softcap": 5.0, "value_embeddings": 1,
+    "unet_skips": True,
+}  # fmt: skip
 SWITCHES = {
     "qk-norm": {"qk_norm": True},
     "relu2": {"ffn": "relu2"},
     "softcap": {"logit_softcap": 3.0},
+    "value-embeddings": {"num_layers": 5, "value_embeddings": 2},  # blocks 0, 3 share table 0; 1, 4 table 1
+    "value-embeddings-gqa": {"num_layers": 2, "value_embeddings": 1, "num_kv_heads": 2},
+    "unet-skips": {"num_layers": 5, "unet_skips": True},  # 4 reads 0, 3 reads 1, the middle block reads none
     "all": {**RECIPE, "zero_init": False},  # zero_init would make most gradients trivially zero
 }
 
@@ -45,20 +51,27 @@ def ids(*shape: int, seed: int = 1) -> torch.Tensor:
 def oracle_logits(p: dict[str, torch.Tensor], c: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
     """The pre-norm model written with torch.nn.functional from the switches' definitions, on the parameters `p`."""
     batch, seq = tokens.shape
-    h, dk = c.num_heads, c.head_dim
+    h, dk, kv, n, L = c.num_heads, c.head_dim, c.kv_heads, c.value_embeddings, c.num_layers
     positions = torch.arange(seq)
     x = F.embedding(tokens, p["token_embeddings.weight"])
-    for i in range(c.num_layers):
+    outputs = []  # of every block, for the U-net skips
+    for i in range(L):
         w = {k.removeprefix(f"layers.{i}."): v for k, v in p.items() if k.startswith(f"layers.{i}.")}
+        mirror = L - 1 - i
+        if c.unet_skips and mirror < L // 2:
+            x = x + p["skip_weights"][mirror] * outputs[mirror]
         a = F.rms_norm(x, (c.d_model,), w["ln1.weight"], eps=1e-5)
-        q, k, v = (
-            F.linear(a, w[f"attn.{n}_proj.weight"]).view(batch, seq, h, dk).transpose(1, 2) for n in "qkv"
-        )
+        q = F.linear(a, w["attn.q_proj.weight"]).view(batch, seq, h, dk).transpose(1, 2)
+        k = F.linear(a, w["attn.k_proj.weight"]).view(batch, seq, kv, dk).transpose(1, 2)
+        values = F.linear(a, w["attn.v_proj.weight"])
+        if i < n or i >= L - n:  # first n blocks use tables 0 … n-1, and so do the last n
+            values = values + F.embedding(tokens, p[f"value_embeddings.{i if i < n else i - (L - n)}.weight"])
+        v = values.view(batch, seq, kv, dk).transpose(1, 2)
         if c.qk_norm:
             q = F.rms_norm(q, (dk,), w["attn.q_norm.weight"], eps=1e-5)
             k = F.rms_norm(k, (dk,), w["attn.k_norm.weight"], eps=1e-5)
         q, k = complex_rope(q, positions, c.rope_theta), complex_rope(k, positions, c.rope_theta)
-        heads = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        heads = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv < h)
         x = x + F.linear(heads.transpose(1, 2).reshape(batch, seq, c.d_model), w["attn.output_proj.weight"])
         a = F.rms_norm(x, (c.d_model,), w["ln2.weight"], eps=1e-5)
         if c.ffn == "relu2":
@@ -66,6 +79,7 @@ def oracle_logits(p: dict[str, torch.Tensor], c: ModelConfig, tokens: torch.Tens
         else:
             hidden = F.silu(F.linear(a, w["ffn.w1.weight"])) * F.linear(a, w["ffn.w3.weight"])
         x = x + F.linear(hidden, w["ffn.w2.weight"])
+        outputs.append(x)
     logits = F.linear(F.rms_norm(x, (c.d_model,), p["ln_final.weight"], eps=1e-5), p["lm_head.weight"])
     return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits
 
@@ -89,7 +103,12 @@ def test_logits_and_gradients_equal_the_oracle(name):
 
 def test_switches_add_only_their_own_state_dict_keys():
     default, recipe = tiny_model().state_dict(), tiny_model(**RECIPE).state_dict()
-    assert set(recipe) - set(default) == {f"layers.{i}.attn.{n}_norm.weight" for i in range(2) for n in "qk"}
+    assert set(recipe) - set(default) == {f"layers.{i}.attn.{n}_norm.weight" for i in range(2) for n in "qk"} | {
+        "value_embeddings.0.weight",
+        "skip_weights",
+    }
+    assert recipe["value_embeddings.0.weight"].shape == (TINY.vocab_size, TINY.d_model)
+    assert recipe["skip_weights"].shape == (1,)
     assert set(default) - set(recipe) == {"layers.0.ffn.w3.weight", "layers.1.ffn.w3.weight"}
     assert recipe["layers.0.attn.q_norm.weight"].shape == (TINY.head_dim,)
     assert tiny_model(ffn="relu2", d_ff=None).config.d_ff == 4 * TINY.d_model
@@ -224,8 +243,11 @@ def test_muon_wsd_recipe_learns_and_resumes_bit_for_bit(tmp_path):
 
 def test_two_ddp_processes_with_muon_match_one(tmp_path):
     # Newton–Schulz in float32: in bfloat16 it would turn the all-reduce's rounding (1e-7) into differences
-    # of 1e-4 in the update, and the runs would agree only to that.
-    config = recipe_config(tmp_path, "one", grad_accum=2, max_steps=6).replace(optimizer={"muon_bf16": False})
+    # of 1e-4 in the update, and the runs would agree only to that. AdamW's eps at 1e-6 for the same reason:
+    # a value-embedding row whose gradient is nearly all rounding (its token barely used yet) would otherwise
+    # be stepped by ±lr, in a direction the rounding picks.
+    optimizer = {"muon_bf16": False, "eps": 1e-6}
+    config = recipe_config(tmp_path, "one", grad_accum=2, max_steps=6).replace(optimizer=optimizer)
     config_path = tmp_path / "config.toml"
     config_path.write_text(config.to_toml())
     train(config.replace(training={"grad_accum": 1}))
@@ -241,7 +263,7 @@ def test_two_ddp_processes_with_muon_match_one(tmp_path):
     )
     one, two = last_checkpoint(tmp_path / "one"), last_checkpoint(tmp_path / "two")
     for key in one["model"]:
-        torch.testing.assert_close(two["model"][key], one["model"][key], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(two["model"][key], one["model"][key], atol=1e-5, rtol=1e-4, msg=key)
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,8 @@ FEATURE_NAMES: dict[tuple[str, Any] | str, str] = {
     ("ffn", "relu2"): "the ReLU² MLP",
     ("qk_norm", True): "QK-norm",
     "logit_softcap": "logit soft-capping",  # any value but 0
+    "value_embeddings": "value embeddings",
+    ("unet_skips", True): "U-net skips",
 }
 
 

@@ -59,9 +59,15 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     Token embeddings `V d`; per block: attention `4 d²` (W_Q, W_K, W_V, W_O; W_K and W_V have `d_kv =
     num_kv_heads · d_k` rows, so `2 d² + 2 d d_kv` under grouped-query attention), feed-forward `3 d d_ff` (SwiGLU:
     W1, W2, W3) or `2 d d_ff` (SiLU, ReLU²: W1, W2), RMSNorm gains `2 d` (none without norms) plus `2 d_k`
-    with QK-norm; a final RMSNorm gain `d` (pre-norm only); the LM head `V d`, unless tied to the embeddings."""
+    with QK-norm; a final RMSNorm gain `d` (pre-norm only); the LM head `V d`, unless tied to the embeddings;
+    with the fast recipe's switches, `n V d_kv` for n value-embedding tables and `L / 2` U-net skip weights
+    (listed only when present)."""
     d, layers = config.d_model, config.num_layers
     ffn_matrices = 3 if config.ffn == "swiglu" else 2
+    extras = {
+        "value embeddings": config.value_embeddings * config.vocab_size * config.kv_heads * config.head_dim,
+        "U-net skip weights": layers // 2 if config.unet_skips else 0,
+    }
     return {
         "token embeddings": config.vocab_size * d,
         "attention (W_Q, W_K, W_V, W_O)": layers * (2 * d * d + 2 * d * config.kv_heads * config.head_dim),
@@ -70,7 +76,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
         + (d if config.norm == "pre" else 0)
         + (layers * 2 * config.head_dim if config.qk_norm else 0),
         "LM head": 0 if config.tie_embeddings else config.vocab_size * d,
-    }
+    } | {name: count for name, count in extras.items() if count}
 
 
 def num_parameters(config: ModelConfig) -> int:

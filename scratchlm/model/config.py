@@ -9,7 +9,9 @@ each key/value head serves `num_heads / num_kv_heads` query heads, as in Llama 2
 The switches of the fast recipe (docs/experiments.md, "A faster recipe"), all off by default: `qk_norm`
 (RMSNorm of each head's queries and keys before RoPE), `ffn="relu2"` (`W2 relu(W1 x)²`), `zero_init` (the
 output projections of attention and feed-forward start at zero, so every block starts as the identity) and
-`logit_softcap` (logits `c · tanh(z / c)`, bounded by ±c).
+`logit_softcap` (logits `c · tanh(z / c)`, bounded by ±c), `value_embeddings` (token embeddings of their
+own added to the attention values of the first and last blocks) and `unet_skips` (each block of the second
+half also reads the output of its mirror image in the first half).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm (gain per head dimension) of queries and keys, per head, before RoPE
     zero_init: bool = False  # attention's and the feed-forward's output projections start at zero
     logit_softcap: float = 0.0  # c > 0: logits c · tanh(z / c); 0: off
+    value_embeddings: int = 0  # n tables; block i and block num_layers - n + i add table i to their values
+    unet_skips: bool = False  # block num_layers - 1 - i also reads block i's output (i < num_layers // 2)
 
     def __post_init__(self) -> None:
         if self.d_ff is None:
@@ -81,15 +85,31 @@ class ModelConfig:
                 raise ScratchlmError(
                     f"model.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
                 )
-        for name in ("tie_embeddings", "qk_norm", "zero_init"):
+        for name in ("tie_embeddings", "qk_norm", "zero_init", "unet_skips"):
             if not isinstance(getattr(self, name), bool):
                 raise ScratchlmError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
         if not self.logit_softcap >= 0:
             raise ScratchlmError(f"model.logit_softcap must be >= 0 (0: off), got {self.logit_softcap!r}")
+        n = self.value_embeddings
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= 2 * n <= self.num_layers:
+            raise ScratchlmError(
+                f"model.value_embeddings must be an integer from 0 to num_layers / 2 = {self.num_layers // 2} "
+                f"(each table serves a block at each end), got {n!r}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    def value_embedding_table(self, layer: int) -> int | None:
+        """The value-embedding table block `layer` adds to its values, or None: tables 0 … n-1 serve the
+        first n blocks and, in the same order, the last n."""
+        n = self.value_embeddings
+        if layer < n:
+            return layer
+        if layer >= self.num_layers - n:
+            return layer - (self.num_layers - n)
+        return None
 
     @property
     def kv_heads(self) -> int:

@@ -443,11 +443,17 @@ class MultiHeadSelfAttention(nn.Module):
         x: Float[Tensor, "... seq d_model"],
         token_positions: Int[Tensor, "... seq"] | None = None,
         kv_cache: LayerKVCache | None = None,
+        value_embedding: Float[Tensor, "... seq d_kv"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
+        """`value_embedding` (`config.value_embeddings`) is added to the values: each token's value then
+        carries the token's identity directly, not only through the residual stream."""
         split_heads = "... seq (heads d_k) -> ... heads seq d_k"
         q = rearrange(self.q_proj(x), split_heads, heads=self.num_heads)
         k = rearrange(self.k_proj(x), split_heads, heads=self.num_kv_heads)
-        v = rearrange(self.v_proj(x), split_heads, heads=self.num_kv_heads)
+        values = self.v_proj(x)
+        if value_embedding is not None:  # in the projection's dtype (bfloat16 under autocast), as q and k are
+            values = values + value_embedding.to(values.dtype)
+        v = rearrange(values, split_heads, heads=self.num_kv_heads)
         if self.q_norm is not None:  # per token, so keys are cached normalised
             q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is not None:

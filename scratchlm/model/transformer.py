@@ -12,8 +12,18 @@ drops RoPE (causal attention alone still tells a token how many tokens precede i
 for `W2 silu(W1 x)`, and `tie_embeddings` makes the LM head reuse the token embedding matrix. The fast
 recipe's switches are `qk_norm` and `ffn="relu2"` (in `scratchlm.model.layers`), `zero_init` (each block's
 output projections start at zero, so the model starts as embeddings -> head and every block learns a change
-of the residual stream from nothing) and `logit_softcap` (`c · tanh(z / c)`). Whatever is absent is absent
-from the state dict, and the default configuration has exactly the reference implementation's state-dict keys.
+of the residual stream from nothing), `logit_softcap` (`c · tanh(z / c)`), `value_embeddings` and
+`unet_skips` (both from modded-nanogpt):
+
+    value_embeddings = n:  block i and block L - n + i (i < n) add a table of their own, ve_i[token], to the
+                           attention values (`MultiHeadSelfAttention`): a token's identity reaches the tokens
+                           that attend to it directly, without first crossing the residual stream.
+    unet_skips:            x_i = the output of block i; block L - 1 - i (i < L / 2) reads x + w_i · x_i, with
+                           a learnt weight w_i starting at 1, as a U-Net's decoder reads its encoder: the late
+                           blocks see the early, less processed representation.
+
+Whatever is absent is absent from the state dict, and the default configuration has exactly the reference
+implementation's state-dict keys.
 """
 
 from __future__ import annotations
@@ -90,16 +100,22 @@ class TransformerBlock(nn.Module):
                 self.ffn.w2.weight.zero_()
 
     def forward(
-        self, x: Float[Tensor, "... seq d_model"], kv_cache: LayerKVCache | None = None
+        self,
+        x: Float[Tensor, "... seq d_model"],
+        kv_cache: LayerKVCache | None = None,
+        value_embedding: Float[Tensor, "... seq d_kv"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         # The one place where the normalisation's placement (`config.norm`) is decided.
+        def attn(h: Tensor) -> Tensor:
+            return self.attn(h, kv_cache=kv_cache, value_embedding=value_embedding)
+
         if self.norm == "pre":
-            x = x + self.attn(self.ln1(x), kv_cache=kv_cache)
+            x = x + attn(self.ln1(x))
             return x + self.ffn(self.ln2(x))
         if self.norm == "post":
-            x = self.ln1(x + self.attn(x, kv_cache=kv_cache))
+            x = self.ln1(x + attn(x))
             return self.ln2(x + self.ffn(x))
-        x = x + self.attn(x, kv_cache=kv_cache)
+        x = x + attn(x)
         return x + self.ffn(x)
 
 
@@ -151,6 +167,20 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock.from_config(config, device, dtype) for _ in range(config.num_layers)
         )
+        d_kv = config.kv_heads * config.head_dim
+        self.value_embeddings = (
+            nn.ModuleList(
+                Embedding(config.vocab_size, d_kv, device=device, dtype=dtype)
+                for _ in range(config.value_embeddings)
+            )
+            if config.value_embeddings
+            else None
+        )
+        self.skip_weights = (
+            nn.Parameter(torch.ones(config.num_layers // 2, device=device, dtype=dtype))
+            if config.unet_skips
+            else None
+        )
         # A post-norm block already ends with an RMSNorm; with norm="none" there is none anywhere.
         self.ln_final = RMSNorm(config.d_model, device=device, dtype=dtype) if config.norm == "pre" else None
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
@@ -176,8 +206,16 @@ class TransformerLM(nn.Module):
         layer_caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers)
 
         x = self.token_embeddings(token_ids)
-        for block, layer_cache in zip(self.layers, layer_caches, strict=True):
-            x = block(x, kv_cache=layer_cache)
+        tables = [] if self.value_embeddings is None else [table(token_ids) for table in self.value_embeddings]
+        skips: list[Tensor] = []  # unet_skips: the outputs of the first half's blocks, the latest last
+        num_skips = 0 if self.skip_weights is None else len(self.skip_weights)
+        for i, (block, layer_cache) in enumerate(zip(self.layers, layer_caches, strict=True)):
+            if i >= len(self.layers) - num_skips:  # block L - 1 - j reads block j's output
+                x = x + self.skip_weights[len(self.layers) - 1 - i] * skips.pop()
+            table = self.config.value_embedding_table(i)
+            x = block(x, kv_cache=layer_cache, value_embedding=None if table is None else tables[table])
+            if i < num_skips:
+                skips.append(x)
         if self.ln_final is not None:
             x = self.ln_final(x)
         logits = self.lm_head(x)
@@ -197,11 +235,14 @@ class TransformerLM(nn.Module):
         return KVCache(len(self.layers), self.config.context_length, batch_size)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
-        """Trainable parameters, each shared tensor counted once. `non_embedding` leaves out the token
-        embedding matrix (a lookup, no compute) unless it is tied to the LM head, which uses it."""
+        """Trainable parameters, each shared tensor counted once. `non_embedding` leaves out the embedding
+        tables (lookups, no compute): the value embeddings, and the token embedding matrix unless it is tied
+        to the LM head, which uses it."""
         total = sum(p.numel() for p in self.parameters())
         if non_embedding and not self.config.tie_embeddings:
             total -= self.token_embeddings.weight.numel()
+        if non_embedding and self.value_embeddings is not None:
+            total -= sum(table.weight.numel() for table in self.value_embeddings)
         return total
 
     def extra_repr(self) -> str:

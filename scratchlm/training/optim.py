@@ -139,7 +139,8 @@ PARAMETER_GROUPS = ("matrices", "embeddings", "head", "gains")
 def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
     """The model's trainable parameters by role, each parameter (a tied matrix too) in exactly one group:
 
-    - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one);
+    - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one) and the
+      value-embedding tables;
     - "head": the output projection to the vocabulary (`lm_head`), when it is a matrix of its own;
     - "gains": every 1-D parameter (the RMSNorm gains);
     - "matrices": every other parameter, the hidden weight matrices of attention and the feed-forward networks.
@@ -148,7 +149,7 @@ def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Paramete
     for name, param in model.named_parameters():  # a shared parameter is listed once, under its first name
         if not param.requires_grad:
             continue
-        if name.endswith("token_embeddings.weight"):
+        if name.endswith("token_embeddings.weight") or name.startswith("value_embeddings."):
             groups["embeddings"].append(param)
         elif name.endswith("lm_head.weight"):
             groups["head"].append(param)
