@@ -128,7 +128,7 @@ def unigram_entropy(ids: np.ndarray) -> float:
 #: model, AdamW and cosine schedule. "fast": the recipe of docs/experiments.md ("A faster recipe"): Muon for
 #: the hidden matrices and AdamW with rates of their own for embeddings, head and gains, QK-norm, ReLU²,
 #: zero-initialised output projections, logit soft-capping, value embeddings and a warm-up / stable / decay
-#: schedule with a short warm-up; and, for a budget of minutes on a CPU, a shape that fits it: 2 layers
+#: schedule with a short warm-up (the steps that measure the speed); and, for a budget of minutes on a CPU, a shape that fits it: 2 layers
 #: rather than 4 and 8 sequences a step rather than 16, which buy about twice the steps.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "spec": {},
@@ -151,7 +151,7 @@ RECIPES: dict[str, dict[str, dict[str, Any]]] = {
             "betas": [0.8, 0.95],
             "weight_decay": 0.0,
         },
-        "schedule": {"kind": "wsd", "warmup_iters": 10, "decay_fraction": 0.5},
+        "schedule": {"kind": "wsd", "warmup_iters": CALIBRATION_STEPS, "decay_fraction": 0.5},
         "training": {"batch_size": 8},
     },
 }
@@ -356,8 +356,8 @@ def train_within_budget(
     machine. So when `size.max_steps` is None the run is made in two parts: the first `CALIBRATION_STEPS`
     steps measure this machine's speed, then the run resumes with the schedule sized to the steps that fit in
     the rest of the budget, recorded in `schedule_file`. The time budget stays a hard limit across both
-    parts. The measured steps must lie where the learning rate does not depend on the run's length: inside
-    a cosine's warm-up, or before a WSD schedule's decay (its warm-up and stable phase).
+    parts. The measured steps lie inside the warm-up, where the learning rate does not depend on the run's
+    length (a schedule sized to the measured steps alone would otherwise start its decay among them).
     """
     run = RunDirectory(run_dir)
     _check_recipe(run, train_config(size, data, run_dir, seconds, device, 1, recipe), recipe)
@@ -367,16 +367,12 @@ def train_within_budget(
         total = json.loads(schedule_file.read_text())["max_steps"]
     else:
         config = train_config(size, data, run_dir, seconds, device, CALIBRATION_STEPS, recipe)
-        schedule = config.schedule
-        stable = schedule.kind == "wsd" and schedule.decay_fraction < 1
-        assert stable or schedule.warmup_iters >= CALIBRATION_STEPS, "the measured steps must not depend on T"
+        assert config.schedule.warmup_iters >= CALIBRATION_STEPS, "the measured steps must lie in the warm-up"
         console.print(f"{CALIBRATION_STEPS} steps to measure this machine's speed")
         measured = train(config, resume=run.latest_checkpoint() is not None)
         total = steps_that_fit(
             run_dir, measured, seconds, config.training.batch_size * config.model.context_length
         )
-        if stable:  # a schedule whose decay starts after the measured steps
-            total = max(total, math.ceil((CALIBRATION_STEPS + 1) / (1 - schedule.decay_fraction)))
         with atomic_write(schedule_file, "w") as f:
             json.dump({"max_steps": total}, f)
         console.print(f"the rest of the budget fits {total - measured.steps:,} more steps: {total:,} in all")

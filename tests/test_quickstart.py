@@ -3,6 +3,7 @@ reuses what the first one built."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -15,7 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.cli import main
-from scratchlm.quickstart import SMALL, steps_that_fit, unigram_entropy
+from scratchlm.data.prepare import PreparedData
+from scratchlm.quickstart import (
+    CALIBRATION_STEPS,
+    RECIPES,
+    SMALL,
+    steps_that_fit,
+    train_config,
+    train_within_budget,
+    unigram_entropy,
+)
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_model
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.serialization import load_tokenizer_files
@@ -155,10 +165,29 @@ def test_steps_that_fit_the_budget_at_the_measured_speed(tmp_path: Path) -> None
     assert steps_that_fit(tmp_path, measured, 20.0, 100) == 25
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_speed_is_measured_inside_the_warm_up(out: Path, tmp_path: Path, recipe: str) -> None:
+    """The first steps of a time-budgeted run measure the speed before the schedule's length is known: they
+    must run at the rates the fitted schedule gives them, which only the warm-up guarantees (a WSD schedule
+    sized to the measured steps alone would decay among them)."""
+    size = dataclasses.replace(SMALL, max_steps=None, warmup_iters=CALIBRATION_STEPS)  # as FULL's
+    data = PreparedData(*(out / "data" / name for name in ("tokenizer", "train.npy", "valid.npy")))
+    train_within_budget(size, data, tmp_path / "run", 3.0, "cpu", tmp_path / "schedule.json", recipe=recipe)
+    total = json.loads((tmp_path / "schedule.json").read_text())["max_steps"]
+    config = train_config(size, data, tmp_path / "run", 3.0, "cpu", total, recipe)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
+    peak = config.optimizer.muon_lr if config.optimizer.name == "muon" else config.optimizer.lr
+    warmup = config.schedule.warmup_iters
+    measured = [step for step in lrs if step <= CALIBRATION_STEPS]
+    assert warmup >= CALIBRATION_STEPS and measured
+    assert all(lrs[step] == pytest.approx(step / warmup * peak) for step in measured)
+
+
 @pytest.mark.slow
 def test_the_full_quickstart_learns_in_two_minutes(tmp_path: Path) -> None:
-    """The default quickstart (the whole standard library, 4,096-token vocabulary, the compiled 4-layer model,
-    the fast recipe) with two minutes of training, about half of which the first compilation takes: the
+    """The default quickstart (the whole standard library, 4,096-token vocabulary, the compiled model, the fast
+    recipe) with two minutes of training, about half of which the first compilation takes: the
     model must have learnt from context, ending at least 1.5 nats/token below the unigram entropy (a model
     that ignores context), within the budget and a little over (the budget is checked between steps)."""
     out = tmp_path / "quickstart"

@@ -103,7 +103,9 @@ def test_logits_and_gradients_equal_the_oracle(name):
 
 def test_switches_add_only_their_own_state_dict_keys():
     default, recipe = tiny_model().state_dict(), tiny_model(**RECIPE).state_dict()
-    assert set(recipe) - set(default) == {f"layers.{i}.attn.{n}_norm.weight" for i in range(2) for n in "qk"} | {
+    assert set(recipe) - set(default) == {
+        f"layers.{i}.attn.{n}_norm.weight" for i in range(2) for n in "qk"
+    } | {
         "value_embeddings.0.weight",
         "skip_weights",
     }
@@ -295,11 +297,12 @@ def test_the_fast_configs_train_a_few_steps_on_cpu(tmp_path, name):
     config = TrainConfig.load(PROJECT_ROOT / "configs" / name)
     assert (config.optimizer.name, config.schedule.kind) == ("muon", "wsd")
     assert config.model.qk_norm and config.model.zero_init and config.model.ffn == "relu2"
-    assert config.model.logit_softcap > 0
+    assert config.model.logit_softcap > 0 and config.model.value_embeddings > 0
     train_file, valid_file = token_files(tmp_path)
     tiny = [
         f"data.train={train_file}", f"data.valid={valid_file}", "data.tokenizer=''", "model.vocab_size=64",
-        "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.context_length=16",
+        "model.d_model=32", "model.num_layers=2", "model.value_embeddings=1", "model.num_heads=4",
+        "model.context_length=16",
         "model.d_ff=64", "training.batch_size=4", "training.max_tokens=0", "training.max_steps=3",
         "training.device=cpu", "training.precision=fp32", "training.compile=false", "schedule.warmup_iters=1",
         "eval.interval=0", "eval.iters=1", f"logging.run_dir={tmp_path / 'run'}",

@@ -76,6 +76,8 @@ def plot_runs(
     FigureCanvasAgg(fig)
     by_step, by_time = fig.subplots(1, 2, sharey=True)
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    if len(run_dirs) > len(colors):  # a colour each, not a cycle that repeats
+        colors = [matplotlib.colormaps["tab20"](i) for i in range(20)]
     drawn: dict[str, dict[str, dict[str, list[float]]]] = {}
     initial_losses: list[float] = []
     finite_min, finite_max = math.inf, -math.inf

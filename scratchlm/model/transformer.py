@@ -206,7 +206,9 @@ class TransformerLM(nn.Module):
         layer_caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers)
 
         x = self.token_embeddings(token_ids)
-        tables = [] if self.value_embeddings is None else [table(token_ids) for table in self.value_embeddings]
+        tables = (
+            [] if self.value_embeddings is None else [table(token_ids) for table in self.value_embeddings]
+        )
         skips: list[Tensor] = []  # unet_skips: the outputs of the first half's blocks, the latest last
         num_skips = 0 if self.skip_weights is None else len(self.skip_weights)
         for i, (block, layer_cache) in enumerate(zip(self.layers, layer_caches, strict=True)):

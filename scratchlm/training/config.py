@@ -53,7 +53,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # AdamW's decoupled weight decay λ (θ ← θ (1 - α λ))
     grad_clip: float = 1.0  # maximum global gradient L2 norm; 0 disables clipping
-    embedding_lr: float = 0.0  # peak rate of the token embeddings; 0: lr
+    embedding_lr: float = 0.0  # peak rate of the token and value embeddings; 0: lr
     head_lr: float = 0.0  # peak rate of the LM head (untied); 0: lr
     muon_lr: float = 0.02  # name = "muon": peak rate of the hidden matrices
     muon_momentum: float = 0.95  # Muon's momentum μ
