@@ -128,8 +128,8 @@ def unigram_entropy(ids: np.ndarray) -> float:
 #: model, AdamW and cosine schedule. "fast": the recipe of docs/experiments.md ("A faster recipe"): Muon for
 #: the hidden matrices and AdamW with rates of their own for embeddings, head and gains, QK-norm, ReLU²,
 #: zero-initialised output projections, logit soft-capping, value embeddings and a warm-up / stable / decay
-#: schedule with a short warm-up (the steps that measure the speed); and, for a budget of minutes on a CPU, a shape that fits it: 2 layers
-#: rather than 4 and 8 sequences a step rather than 16, which buy about twice the steps.
+#: schedule whose warm-up is the steps that measure the speed; and, for a budget of minutes on a CPU, a shape
+#: that fits it: 2 layers rather than 4 and 8 sequences a step rather than 16, about twice the steps.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "spec": {},
     "fast": {

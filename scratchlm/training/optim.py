@@ -142,7 +142,7 @@ def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Paramete
     - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one) and the
       value-embedding tables;
     - "head": the output projection to the vocabulary (`lm_head`), when it is a matrix of its own;
-    - "gains": every 1-D parameter (the RMSNorm gains);
+    - "gains": every 1-D parameter (the RMSNorm gains, and the U-net skip weights);
     - "matrices": every other parameter, the hidden weight matrices of attention and the feed-forward networks.
     """
     groups: dict[str, list[torch.nn.Parameter]] = {name: [] for name in PARAMETER_GROUPS}
