@@ -12,3 +12,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402  (after the thread setting, which torch reads when it loads)
 
 torch.set_num_threads(1)
+
+# The device profile (scratchlm.device.profile) is measured once and cached per machine; the tests keep their
+# cache out of the user's home.
+os.environ.setdefault(
+    "SCRATCHLM_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(), "scratchlm-test-cache")
+)

@@ -114,7 +114,7 @@ def test_dataset_configs_are_the_specifications_runs(config: str, dataset: str) 
     )
     assert (m.num_layers, m.num_heads, m.norm, m.positions, m.ffn) == (4, 16, "pre", "rope", "swiglu")
     assert c.total_steps * c.training.batch_size * m.context_length == 327_680_000
-    assert (c.training.precision, c.training.compile) == ("bf16", True)
+    assert (c.training.precision, c.training.compile) == ("auto", True)
     # The data paths are where `scratchlm prepare DATASET` writes (the download directory data/DATASET).
     directory = dataset_text_files(dataset, f"data/{dataset}")[0].parent
     assert (c.data.train, c.data.valid, c.data.tokenizer) == (

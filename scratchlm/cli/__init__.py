@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "plot": "plot",
     "sweep": "sweep",
     "accounting": "accounting",
+    "doctor": "doctor",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, inference_precision, load_model_source
 
 HELP = "Evaluate a trained model on a whole token file (.npy): loss and perplexity."
 
@@ -28,10 +28,16 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.training.evaluate import evaluate
 
     model = load_model_source(args).model
+    precision = inference_precision(args, next(model.parameters()).device)
     tokens = load_tokens(args.data, model.config.vocab_size, 1)
     start = time.perf_counter()
     result = evaluate(
-        model, tokens, batch_size=args.batch_size, context_length=args.context_length, show_progress=True
+        model,
+        tokens,
+        batch_size=args.batch_size,
+        context_length=args.context_length,
+        show_progress=True,
+        precision=precision,
     )
     seconds = time.perf_counter() - start
     perplexity = f"{result.perplexity:.3f}" if result.perplexity < 1e6 else f"{result.perplexity:.3e}"

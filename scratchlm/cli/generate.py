@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, inference_precision, load_model_source
 
 HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
 
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from scratchlm.console import console
+    from scratchlm.device import autocast
     from scratchlm.errors import ScratchlmError
     from scratchlm.generation.generate import generate_stream
     from scratchlm.generation.sampling import check_sampling_options
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> None:
     if tokenizer is None:
         raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
     device = next(model.parameters()).device
+    precision = inference_precision(args, device)
     eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
@@ -101,12 +103,13 @@ def run(args: argparse.Namespace) -> None:
             generator=generator,
             use_cache=not args.no_cache,
         )
-        for token in stream:
-            count += 1
-            if token == eos_id:
-                break
-            sys.stdout.write(decoder.decode(tokenizer.vocab.get(token, replacement)))
-            sys.stdout.flush()
+        with autocast(device, precision):  # the model runs as the stream is consumed
+            for token in stream:
+                count += 1
+                if token == eos_id:
+                    break
+                sys.stdout.write(decoder.decode(tokenizer.vocab.get(token, replacement)))
+                sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         seconds = time.perf_counter() - start

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from scratchlm.run.load import TrainedModel
 
 
@@ -21,11 +23,31 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--run DIR` or `--checkpoint FILE` (exactly one), and `--device`."""
+    """`--run DIR` or `--checkpoint FILE` (exactly one), `--device` and `--precision`."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
     source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
     add_device_argument(parser)
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="auto: bf16 where the device computes it natively and fast (measured), else fp32 (default auto)",
+    )
+
+
+def inference_precision(args: argparse.Namespace, device: torch.device) -> str:
+    """The precision `--precision` resolves to on `device` (scratchlm.device.choices), with a warning printed
+    for an explicit bf16 that is slow here."""
+    from scratchlm.console import console
+    from scratchlm.device import device_profile, resolve_precision
+
+    choice, warnings = resolve_precision(args.precision, device_profile(device))
+    for warning in warnings:
+        console.print(
+            f"warning: {warning.replace('training.precision', '--precision')}", style="yellow", markup=False
+        )
+    return choice.value
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:

@@ -5,8 +5,8 @@
     [optimizer]   name (adamw | sgd | muon), lr, min_lr, betas, eps, weight_decay, grad_clip, embedding_lr,
                   head_lr, muon_lr, muon_momentum, muon_nesterov, muon_ns_steps, muon_bf16, muon_weight_decay
     [schedule]    kind (cosine | wsd), warmup_iters, cosine_cycle_iters (0: the run's last step), decay_fraction
-    [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, compile, seed,
-                  init_from
+    [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, threads,
+                  compile, seed, init_from
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
@@ -59,7 +59,7 @@ class OptimizerConfig:
     muon_momentum: float = 0.95  # Muon's momentum μ
     muon_nesterov: bool = True  # Nesterov momentum: orthogonalise (1 - μ) g + μ B rather than B
     muon_ns_steps: int = 5  # Newton–Schulz iterations of the orthogonalisation
-    muon_bf16: bool = True  # iterate in bfloat16 where the device multiplies it natively; false: float32
+    muon_bf16: bool = True  # iterate in bfloat16 when training.precision resolves to bf16; false: float32
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay of the hidden matrices
 
 
@@ -81,7 +81,10 @@ class TrainingConfig:
     max_tokens: int = 0  # or a token budget: steps = ceil(max_tokens / (batch_size * context_length))
     max_time_s: float = 0.0  # wall-clock budget in seconds; 0: none
     device: str = "auto"  # auto: cuda, then mps, then cpu
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the matmuls, float32 weights
+    # auto: bf16 where the device computes it natively and fast (measured), else fp32; bf16: autocast of the
+    # matmuls, float32 weights (scratchlm.device.choices)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    threads: int = 0  # CPU threads; 0: the usable cores other processes leave free (scratchlm.device.choices)
     compile: bool = False  # torch.compile the model
     seed: int = 0
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
@@ -190,6 +193,7 @@ class TrainConfig:
             "schedule.cosine_cycle_iters": self.schedule.cosine_cycle_iters,
             "eval.interval": self.eval.interval,
             "eval.iters": self.eval.iters,
+            "training.threads": t.threads,
             "eval.batch_size": self.eval.batch_size,
             "checkpoint.interval": self.checkpoint.interval,
             "optimizer.min_lr": self.optimizer.min_lr,
@@ -236,8 +240,9 @@ class TrainConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: _section_dict(getattr(self, name)) for name in SECTIONS}
 
-    def to_toml(self) -> str:
-        return to_toml(self.to_dict())
+    def to_toml(self, notes: dict[str, str] | None = None) -> str:
+        """The config as TOML; `notes` ("section.key" -> text) become comments after those keys."""
+        return to_toml(self.to_dict(), notes)
 
     def replace(self, **sections: dict[str, Any]) -> TrainConfig:
         """A copy with some keys changed: `config.replace(training={"max_steps": 10})`."""
@@ -245,6 +250,18 @@ class TrainConfig:
         for name, changes in sections.items():
             values.setdefault(name, {}).update(changes)
         return TrainConfig.from_dict(values)
+
+
+def training_section(overrides: list[str] | tuple[str, ...] = ()) -> TrainingConfig:
+    """The [training] section alone, from defaults and `training.key=value` overrides: for commands that look
+    at how a run would execute (device, precision, threads, compile) without a whole config."""
+    values: dict[str, Any] = {}
+    for override in overrides:
+        section, key, value = parse_override(override)
+        if section != "training":
+            raise ScratchlmError(f"--set {override}: without --config only training.* keys can be set")
+        values[key] = value
+    return _build_section("training", TrainingConfig, values, "--set overrides")
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -371,12 +388,18 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def to_toml(values: dict[str, dict[str, Any]]) -> str:
-    """Write `{section: {key: value}}` as TOML; keys whose value is None are left out (TOML has no null)."""
+def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = None) -> str:
+    """Write `{section: {key: value}}` as TOML; keys whose value is None are left out (TOML has no null).
+    `notes` ("section.key" -> one line of text) are written as comments after their keys."""
+    notes = notes or {}
     lines = []
     for section, entries in values.items():
         lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in entries.items() if value is not None)
+        for key, value in entries.items():
+            if value is not None:
+                note = notes.get(f"{section}.{key}")
+                comment = "  # " + " ".join(note.split()) if note else ""
+                lines.append(f"{key} = {_toml_value(value)}{comment}")
         lines.append("")
     return "\n".join(lines)
 
@@ -390,6 +413,8 @@ CHANGEABLE_ON_RESUME = (
     "training.max_tokens",
     "training.max_time_s",
     "training.device",
+    "training.precision",
+    "training.threads",
     "training.compile",
     "training.init_from",
     "eval.interval",

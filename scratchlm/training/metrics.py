@@ -111,6 +111,11 @@ class MetricsLogger:
         self.bar.update(self.task, completed=step)
         console.print(_format(record, self.total_steps), highlight=False, markup=True)  # numbers only
 
+    def note(self, record: dict[str, Any]) -> None:
+        """A record for the file only (not printed, not a point of any curve): e.g. a session's setup."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
     def close(self) -> None:
         self.bar.stop()
         self.file.close()

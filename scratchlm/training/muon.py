@@ -71,13 +71,12 @@ def newton_schulz(
 
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where the device multiplies it natively (CUDA with bf16, CPUs with AVX-512 BF16 or AMX),
-    otherwise float32."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    """bfloat16 where precision "auto" resolves to it on `device` (native and measured faster than float32:
+    `scratchlm.device.choices`), otherwise float32."""
+    from scratchlm.device import device_profile, resolve_precision
+
+    precision, _ = resolve_precision("auto", device_profile(device))
+    return torch.bfloat16 if precision.value == "bf16" else torch.float32
 
 
 class Muon(torch.optim.Optimizer):

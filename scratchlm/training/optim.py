@@ -160,14 +160,17 @@ def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Paramete
     return groups
 
 
-def build_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: OptimizerConfig, model: torch.nn.Module, precision: str = "fp32"
+) -> torch.optim.Optimizer:
     """The optimizer `config` describes over `model`'s parameter groups (see the module docstring); groups
     without parameters are left out. The handout's recipe gives every group the same settings.
 
     A group's peak rate is `config.lr` unless the config gives it its own (`embedding_lr`, `head_lr`, and
     `muon_lr` for the matrices under Muon); its `lr_scale` is that rate over `config.lr`, so the schedule
     moves every group's rate in proportion. `name="muon"` makes a `Muon` optimizer (scratchlm.training.muon)
-    whose "matrices" group runs Muon and whose other groups run AdamW."""
+    whose "matrices" group runs Muon and whose other groups run AdamW; its Newton–Schulz iteration runs in
+    bfloat16 when the training's resolved `precision` is "bf16" and `config.muon_bf16`, else in float32."""
     from scratchlm.training.muon import Muon  # muon.py builds on this module
 
     muon = config.name == "muon"
@@ -195,7 +198,7 @@ def build_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> torch.op
             momentum=config.muon_momentum,
             nesterov=config.muon_nesterov,
             ns_steps=config.muon_ns_steps,
-            ns_dtype=None if config.muon_bf16 else torch.float32,
+            ns_dtype=torch.bfloat16 if config.muon_bf16 and precision == "bf16" else torch.float32,
             betas=config.betas,
             eps=config.eps,
             weight_decay=config.weight_decay,

@@ -42,7 +42,7 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
-from scratchlm.device import resolve_device
+from scratchlm.device import Plan, apply_threads, autocast, plan, resolve_device
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.model.config import ModelConfig
@@ -113,6 +113,9 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
     trained with (beyond `CHANGEABLE_ON_RESUME`) is refused unless `allow_config_change`."""
     device = resolve_device(config.training.device, option="training.device")
     dist_info, device = init_distributed(device)
+    t = config.training
+    choices = plan(device, t.precision, t.compile, t.threads)
+    apply_threads(choices.threads.value)
     if device.type == "cpu":
         # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
         # (measured: 2.8 s vs 0.26 s for clip + AdamW per bf16 step); flushing them to zero costs nothing.
@@ -122,7 +125,7 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
     run: _Run | None = None
     try:
         with RunDirectory(config.logging.run_dir).lock() if dist_info.is_main else contextlib.nullcontext():
-            run = _Run(config, dist_info, device, resume, allow_config_change)
+            run = _Run(config, dist_info, device, choices, resume, allow_config_change)
             summary = run.run()
         finished = True
         return summary
@@ -186,10 +189,12 @@ class _Run:
         config: TrainConfig,
         dist_info: Distributed,
         device: torch.device,
+        choices: Plan,
         resume: bool,
         allow_config_change: bool = False,
     ) -> None:
-        self.config, self.dist, self.device = config, dist_info, device
+        self.config, self.dist, self.device, self.choices = config, dist_info, device, choices
+        self.precision = choices.precision.value  # "auto" resolved
         t, m = config.training, config.model
         self.run_dir = RunDirectory(config.logging.run_dir)
         self.context = m.context_length
@@ -211,7 +216,7 @@ class _Run:
 
         torch.manual_seed(t.seed)
         self.model = TransformerLM.from_config(m, device=device)
-        self.optimizer = build_optimizer(config.optimizer, self.model)
+        self.optimizer = build_optimizer(config.optimizer, self.model, precision=self.precision)
         self.generator = np.random.default_rng(t.seed)
         self.step, self.elapsed_before = 0, 0.0
         self.last_saved: int | None = None  # the step of the newest checkpoint on disk
@@ -222,11 +227,11 @@ class _Run:
         self.in_update = False
 
         # The compiled module (if any) serves evaluation; DistributedDataParallel wraps it for training.
-        self.forward_model = torch.compile(self.model) if t.compile else self.model
+        self.forward_model = torch.compile(self.model) if choices.compile.value else self.model
         self.train_model = wrap_ddp(self.forward_model, device) if dist_info.enabled else self.forward_model
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+        self.autocast = autocast(device, self.precision)
         self.flops_per_token = m.flops_per_token
-        self.peak = peak_flops(device, t.precision, config.logging.peak_tflops)
+        self.peak = peak_flops(device, self.precision, config.logging.peak_tflops)
 
         # What this session has seen so far; `run` starts the clock.
         self.start_step = self.step
@@ -419,6 +424,7 @@ class _Run:
             "torch_rng": torch.get_rng_state(),
             "elapsed_s": self._elapsed(),
             "tokens": self.step * self.tokens_per_step,
+            "precision": self.precision,
         }
         if self.tokenizer is not None:
             extra["tokenizer_fingerprint"] = self.tokenizer.fingerprint
@@ -469,12 +475,23 @@ class _Run:
         config = self.config
         if self.dist.is_main:
             self.run_dir.path.mkdir(parents=True, exist_ok=True)
+            choices = self.choices
             with atomic_write(self.run_dir.config, "w") as f:
-                f.write(config.to_toml())
+                f.write(
+                    config.to_toml(
+                        notes={
+                            "training.precision": f"resolved to {choices.precision.value!r} on "
+                            f"{choices.profile.name}: {choices.precision.reason}"
+                        }
+                    )
+                )
             if self.tokenizer is not None and not (self.run_dir.path / TOKENIZER_DIR).is_dir():
                 self.tokenizer.save(
                     self.run_dir.path / TOKENIZER_DIR
                 )  # the run carries what it needs to generate
+            console.print(choices.summary(), markup=False, highlight=False)
+            for warning in choices.warnings:
+                console.print(f"warning: {warning}", style="yellow", markup=False)
             console.print(
                 f"training {self.model.num_parameters():,} parameters on {self.device}"
                 f"{f' × {self.dist.world_size} processes' if self.dist.enabled else ''}: {self.total_steps:,} steps"
@@ -488,6 +505,20 @@ class _Run:
                 wandb=config.logging.wandb,
                 wandb_project=config.logging.wandb_project,
                 tensorboard=config.logging.tensorboard,
+            )
+            self.logger.note(
+                {
+                    "step": self.step,
+                    "time": round(self.elapsed_before, 3),
+                    "tokens": self.step * self.tokens_per_step,
+                    "setup": {
+                        "device": choices.device,
+                        "device_name": choices.profile.name,
+                        "precision": choices.precision.value,
+                        "threads": choices.threads.value,
+                        "compile": choices.compile.value,
+                    },
+                }
             )
         self.session_start = time.perf_counter()
         self.interval = _Interval(self.device)

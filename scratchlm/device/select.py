@@ -1,4 +1,4 @@
-"""Choosing the device a command runs on."""
+"""Choosing the device a command runs on: "auto" or a name torch knows."""
 
 from __future__ import annotations
 

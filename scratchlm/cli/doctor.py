@@ -1,0 +1,108 @@
+"""`scratchlm doctor [--config FILE] [--set KEY=VALUE ...] [--json]`: the device, what it can do, and what
+scratchlm will do on it.
+
+It prints the device (the CPU's model and the flags that matter, or the GPU's name, memory and compute
+capability), the cores this process may use and how many other processes keep busy, the measured matmul
+rates (fp32 and bf16, and fp16 on a GPU) and memory bandwidth, whether torch.compile works here, and the
+precision, thread and compile choices `scratchlm train` makes with that config, each with its reason
+(`scratchlm.device.choices`). `--json` prints the same as one JSON object, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from scratchlm.cli.options import add_config_arguments
+
+HELP = "Report the device, its measured speed, and the precision, threads and compilation scratchlm will use."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure again instead of reading this machine's cached profile",
+    )
+    parser.add_argument(
+        "--no-compile-check",
+        action="store_true",
+        help="skip the trial compilation of a small function (it takes seconds to a minute)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    import json
+
+    from scratchlm.training.config import TrainConfig, training_section
+
+    # A mistake in the config is reported before torch loads.
+    t = (
+        TrainConfig.load(args.config, args.overrides).training
+        if args.config
+        else training_section(args.overrides)
+    )
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from scratchlm.console import console
+    from scratchlm.device import device_profile, plan, resolve_device
+    from scratchlm.device.profile import (
+        affinity_cpus,
+        busy_cores,
+        cgroup_cpu_limit,
+        compile_works,
+        usable_cores,
+    )
+
+    device = resolve_device(t.device, option="training.device")
+    if args.refresh:
+        device_profile(device, refresh=True)
+    choices = plan(device, t.precision, t.compile, t.threads)
+    profile = choices.profile
+    compile_ok, compile_note = (None, "not checked") if args.no_compile_check else compile_works(device)
+    report = {
+        **choices.to_dict(),
+        "cores": {
+            "affinity": len(affinity_cpus()),
+            "cgroup_limit": cgroup_cpu_limit(),
+            "usable": usable_cores(),
+            "busy": round(busy_cores(), 2),
+        },
+        "compile_works": {"value": compile_ok, "reason": compile_note},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("device", f"{device} — {profile.name}")
+    if profile.type == "cpu":
+        table.add_row("CPU flags", " ".join(profile.flags) or "none of the relevant ones")
+        table.add_row("PyTorch CPU kernels", profile.cpu_capability)
+    else:
+        table.add_row("GPU memory", f"{profile.gpu_memory_gib} GiB")
+        table.add_row("compute capability", str(profile.compute_capability))
+    table.add_row("native bf16", "yes" if profile.native_bf16 else "no")
+    cores = report["cores"]
+    limit = "" if cores["cgroup_limit"] is None else f", cgroup quota {cores['cgroup_limit']:g}"
+    table.add_row(
+        "cores", f"{cores['usable']} usable (affinity {cores['affinity']}{limit}); {cores['busy']} busy now"
+    )
+    rates = ", ".join(f"{name} {rate:,.1f}" for name, rate in profile.matmul_gflops.items())
+    table.add_row("matmul GFLOP/s", rates)
+    table.add_row("memory bandwidth", f"{profile.memory_gbps:,.1f} GB/s")
+    table.add_row(
+        "torch.compile", ("works: " if compile_ok else "" if compile_ok is None else "fails: ") + compile_note
+    )
+    table.add_row("precision", f"{choices.precision.value} ({choices.precision.reason})")
+    if choices.threads.value is not None:
+        table.add_row("threads", f"{choices.threads.value} ({choices.threads.reason})")
+    table.add_row("compile", f"{'on' if choices.compile.value else 'off'} ({choices.compile.reason})")
+    Console(highlight=False, soft_wrap=True, markup=False).print(table)  # the report, on stdout
+    for warning in choices.warnings:
+        console.print(f"warning: {warning}", style="yellow", markup=False)

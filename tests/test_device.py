@@ -1,0 +1,295 @@
+"""The device's profile and what scratchlm chooses on it: precision "auto" with the device's capability and
+measured rates mocked both ways (CPU with and without native bf16, CUDA with and without, MPS), the warning
+for an explicit slow bf16, Muon's iteration dtype, the thread count under a restricted affinity mask and a
+cgroup quota, the doctor's report, and that training runs with what the doctor says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_trainer import records, small_config
+
+from scratchlm.cli import main
+from scratchlm.device import choices as choices_module
+from scratchlm.device import profile as profile_module
+from scratchlm.device.choices import choose_threads, plan, resolve_precision
+from scratchlm.device.profile import DeviceProfile, cgroup_cpu_limit, device_profile
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.optim import build_optimizer
+from scratchlm.training.trainer import train
+
+# Rates as measured on real machines (GFLOP/s, 2 cores): an AVX2-only EPYC emulates bf16 ~100x slower than
+# fp32; a CPU with AVX-512-BF16 runs bf16 ~3x faster.
+AVX2_CPU = DeviceProfile(
+    type="cpu",
+    name="AMD EPYC (AVX2)",
+    flags=("avx2", "fma"),
+    cpu_capability="AVX2",
+    native_bf16=False,
+    matmul_gflops={"fp32": 156.0, "bf16": 1.1},
+)
+BF16_CPU = DeviceProfile(
+    type="cpu",
+    name="Intel Xeon (AVX-512-BF16)",
+    flags=("avx2", "fma", "avx512f", "avx512_bf16"),
+    cpu_capability="AVX512",
+    native_bf16=True,
+    matmul_gflops={"fp32": 170.0, "bf16": 520.0},
+)
+AMPERE = DeviceProfile(
+    type="cuda",
+    name="NVIDIA A100",
+    native_bf16=True,
+    matmul_gflops={"fp32": 19_000.0, "bf16": 250_000.0, "fp16": 250_000.0},
+    compute_capability="8.0",
+)
+VOLTA = DeviceProfile(
+    type="cuda",
+    name="Tesla V100",
+    native_bf16=False,
+    matmul_gflops={"fp32": 14_000.0, "bf16": 9_000.0, "fp16": 100_000.0},
+    compute_capability="7.0",
+)
+APPLE = DeviceProfile(type="mps", name="Apple GPU", matmul_gflops={"fp32": 3_000.0, "bf16": 3_500.0})
+
+
+@pytest.mark.parametrize(
+    "profile, expected",
+    [(AVX2_CPU, "fp32"), (BF16_CPU, "bf16"), (AMPERE, "bf16"), (VOLTA, "fp32"), (APPLE, "fp32")],
+    ids=["cpu-avx2", "cpu-avx512-bf16", "cuda-bf16", "cuda-no-bf16", "mps"],
+)
+def test_auto_precision_follows_the_device(profile, expected):
+    choice, warnings = resolve_precision("auto", profile)
+    assert choice.value == expected and warnings == []
+    if profile.type != "mps":
+        assert choice.reason  # says why
+
+
+def test_auto_is_decided_by_the_measurement_not_by_the_flags():
+    """A CPU that claims native bf16 but measures it slower than fp32 gets fp32; one with no flag we know of
+    that measures bf16 much faster gets bf16."""
+    claims = DeviceProfile(**{**BF16_CPU.to_dict(), "matmul_gflops": {"fp32": 170.0, "bf16": 150.0}})
+    assert resolve_precision("auto", claims)[0].value == "fp32"
+    unknown = DeviceProfile(**{**AVX2_CPU.to_dict(), "matmul_gflops": {"fp32": 100.0, "bf16": 400.0}})
+    assert resolve_precision("auto", unknown)[0].value == "bf16"
+
+
+def test_explicit_precisions_are_obeyed_and_a_slow_bf16_is_named_with_both_rates():
+    choice, warnings = resolve_precision("bf16", AVX2_CPU)
+    assert choice.value == "bf16"
+    [warning] = warnings
+    assert "1.1" in warning and "156.0" in warning and "fp32" in warning
+    assert resolve_precision("bf16", BF16_CPU) == (resolve_precision("bf16", BF16_CPU)[0], [])
+    assert resolve_precision("fp32", BF16_CPU)[0].value == "fp32"
+
+
+@pytest.mark.parametrize("profile, muon_bf16, expected", [
+    (AVX2_CPU, True, torch.float32),
+    (BF16_CPU, True, torch.bfloat16),
+    (BF16_CPU, False, torch.float32),
+])  # fmt: skip
+def test_muons_iteration_follows_the_resolved_precision(profile, muon_bf16, expected):
+    precision = resolve_precision("auto", profile)[0].value
+    config = TrainConfig.from_dict(
+        {
+            "data": {"train": "t.npy", "valid": "v.npy"},
+            "optimizer": {"name": "muon", "muon_bf16": muon_bf16},
+            "training": {"max_steps": 1},
+        }
+    )
+    model = torch.nn.Linear(4, 4)
+    assert build_optimizer(config.optimizer, model, precision=precision).ns_dtype == expected
+
+
+@pytest.fixture
+def mocked_device(monkeypatch):
+    """Make this machine's CPU look like `profile` to every choice."""
+
+    def use(profile: DeviceProfile) -> None:
+        monkeypatch.setattr(choices_module, "device_profile", lambda device, refresh=False: profile)
+
+    return use
+
+
+@pytest.mark.parametrize("profile, expected", [(AVX2_CPU, "fp32"), (BF16_CPU, "bf16")])
+def test_training_runs_and_records_what_auto_resolved_to(tmp_path, mocked_device, profile, expected):
+    mocked_device(profile)
+    config = small_config(tmp_path, training={"max_steps": 2, "precision": "auto"})
+    train(config)
+    [setup] = [r["setup"] for r in records(tmp_path / "run", "setup")]
+    assert setup["precision"] == expected and setup["device"] == "cpu"
+    assert setup["device_name"] == profile.name
+    toml = (tmp_path / "run" / "config.toml").read_text()
+    assert f'precision = "auto"  # resolved to {expected!r}' in toml
+    assert TrainConfig.load(tmp_path / "run" / "config.toml").training.precision == "auto"  # still loads
+    checkpoint = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    assert torch.load(checkpoint, weights_only=False)["precision"] == expected
+
+
+def test_the_quickstart_trains_in_fp32_on_a_cpu_without_native_bf16(tmp_path, mocked_device):
+    from scratchlm.data.prepare import PreparedData
+    from scratchlm.quickstart import FULL, RECIPES, train_config
+
+    data = PreparedData(tmp_path / "t.npy", tmp_path / "v.npy", tmp_path / "tok")
+    for recipe in RECIPES:
+        config = train_config(FULL, data, tmp_path / "run", 300.0, "cpu", 100, recipe)
+        assert config.training.precision == "auto"
+        for profile, expected in ((AVX2_CPU, "fp32"), (BF16_CPU, "bf16")):
+            mocked_device(profile)
+            choices = plan(torch.device("cpu"), config.training.precision, config.training.compile)
+            assert choices.precision.value == expected
+            optimizer = build_optimizer(config.optimizer, torch.nn.Linear(4, 4), choices.precision.value)
+            if recipe == "fast":  # Muon iterates in the same precision
+                assert optimizer.ns_dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[expected]
+
+
+def test_an_explicit_slow_bf16_warns_when_training_starts(tmp_path, mocked_device, capsys):
+    mocked_device(AVX2_CPU)
+    train(small_config(tmp_path, training={"max_steps": 1, "precision": "bf16"}))
+    out = " ".join(capsys.readouterr().err.split())
+    assert "warning: training.precision = bf16" in out and "142x slower" in out
+
+
+# -- threads ------------------------------------------------------------------------------------------------
+
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="requires a platform with sched_setaffinity")
+def test_threads_follow_a_restricted_affinity_mask():
+    """A process allowed one CPU uses one thread, whatever os.cpu_count() says."""
+    code = (
+        "import os\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from scratchlm.device.choices import choose_threads\n"
+        "from scratchlm.device.profile import usable_cores\n"
+        "print(os.cpu_count(), usable_cores(), choose_threads().value)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=CHILD_ENV, capture_output=True, text=True, check=True
+    )
+    cpu_count, usable, threads = map(int, out.stdout.split())
+    assert (usable, threads) == (1, 1)
+    assert cpu_count >= 1
+
+
+def test_threads_leave_out_the_cores_other_processes_keep_busy(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(choices_module, "_TORCH_DEFAULT_THREADS", torch.get_num_threads())
+    monkeypatch.setattr(choices_module, "usable_cores", lambda: 4)
+    for busy, expected in ((0.1, 4), (1.0, 3), (2.6, 1), (3.9, 1), (6.0, 1)):
+        monkeypatch.setattr(choices_module, "busy_cores", lambda busy=busy: busy)
+        assert choose_threads().value == expected
+
+
+def test_the_users_thread_choice_wins(monkeypatch):
+    monkeypatch.setattr(choices_module, "usable_cores", lambda: 4)
+    monkeypatch.setattr(choices_module, "busy_cores", lambda: 0.0)
+    assert choose_threads(3).value == 3  # training.threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    choice = choose_threads()
+    assert choice.value == torch.get_num_threads() and "OMP_NUM_THREADS" in choice.reason
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(choices_module, "_TORCH_DEFAULT_THREADS", torch.get_num_threads() + 1)
+    monkeypatch.setattr(choices_module, "_applied_threads", None)  # not a count scratchlm set itself
+    assert "torch.set_num_threads" in choose_threads().reason
+
+
+def test_a_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu.cfs_quota_us").write_text("50000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 0.5
+    monkeypatch.setattr(profile_module, "affinity_cpus", lambda: list(range(64)))
+    monkeypatch.setattr(profile_module, "cgroup_cpu_limit", lambda: 1.5)
+    assert profile_module.usable_cores() == 2
+
+
+# -- the profile --------------------------------------------------------------------------------------------
+
+
+def test_the_profile_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profile_module, "_in_process", {})
+    calls = []
+    real = profile_module.measure
+    monkeypatch.setattr(profile_module, "measure", lambda device: calls.append(device) or real(device))
+    first = device_profile(torch.device("cpu"))
+    assert first.rate("fp32") > 0 and first.rate("bf16") > 0 and first.memory_gbps > 0
+    assert len(calls) == 1 and len(list(tmp_path.glob("device-*.json"))) == 1
+    monkeypatch.setattr(profile_module, "_in_process", {})  # a new process reads the file
+    assert device_profile(torch.device("cpu")) == first and len(calls) == 1
+    device_profile(torch.device("cpu"), refresh=True)
+    assert len(calls) == 2
+
+
+def test_matmul_rates_are_what_a_timed_matmul_gives():
+    """The measured fp32 rate is within a factor of 3 of an independent timing of a bigger product."""
+    import time
+
+    rate = profile_module.matmul_gflops(torch.device("cpu"), torch.float32)
+    a, b = torch.randn(768, 768), torch.randn(768, 768)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    independent = 5 * 2 * 768**3 / (time.perf_counter() - start) / 1e9
+    assert independent / 3 < rate < independent * 3
+
+
+# -- the doctor ---------------------------------------------------------------------------------------------
+
+
+def test_doctor_reports_the_device_and_the_choices_train_then_uses(tmp_path, capsys):
+    config = small_config(tmp_path, training={"max_steps": 1})
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml())
+    assert main(["doctor", "--json", "--no-compile-check", "--config", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    profile = report["profile"]
+    assert profile["type"] == "cpu" and profile["name"] and isinstance(profile["flags"], list)
+    assert profile["matmul_gflops"]["fp32"] > 0 and profile["matmul_gflops"]["bf16"] > 0
+    assert profile["memory_gbps"] > 0
+    assert report["cores"]["usable"] >= 1 and report["cores"]["affinity"] >= report["cores"]["usable"]
+    for choice in ("precision", "threads", "compile"):
+        assert set(report[choice]) == {"value", "reason"}
+    assert report["compile_works"] == {"value": None, "reason": "not checked"}
+
+    train(TrainConfig.load(path))
+    [setup] = [r["setup"] for r in records(tmp_path / "run", "setup")]
+    assert (setup["precision"], setup["threads"], setup["compile"]) == (
+        report["precision"]["value"],
+        report["threads"]["value"],
+        report["compile"]["value"],
+    )
+
+
+def test_doctor_prints_a_table_and_checks_its_options(capsys):
+    assert main(["doctor", "--no-compile-check", "--set", "training.precision=bf16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for row in ("device", "matmul GFLOP/s", "memory bandwidth", "precision bf16", "threads", "compile"):
+        assert row in out
+    assert main(["doctor", "--set", "model.d_model=64"]) == 2
+    assert "only training.* keys" in capsys.readouterr().err
+
+
+def test_compile_is_off_with_a_reason_where_no_compiler_is_found(monkeypatch):
+    monkeypatch.setattr(choices_module, "compiler_found", lambda device: (False, "no C++ compiler found"))
+    choices = plan(torch.device("cpu"), "fp32", compile=True, threads=1)
+    assert choices.compile.value is False and "no C++ compiler" in choices.compile.reason
+    assert any("running uncompiled" in w for w in choices.warnings)
+
+
+def test_compile_works_on_this_machine_is_a_real_compilation():
+    found, _ = profile_module.compiler_found(torch.device("cpu"))
+    works, note = profile_module.compile_works(torch.device("cpu"), timeout=300)
+    assert works == found, note
