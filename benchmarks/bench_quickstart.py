@@ -1,7 +1,7 @@
 """The quickstart's model trained by scratchlm and by a torch.nn reference, same data, same budget.
 
 Both trainers get the quickstart's token files, tokenizer and hyperparameters (model shape, batch, AdamW,
-cosine schedule with warm-up, gradient clipping, bf16 autocast, torch.compile) and the same
+cosine schedule with warm-up, gradient clipping, the precision "auto" resolves to, torch.compile) and the same
 wall-clock training budget; each final model is evaluated on every token of the validation file with the same
 consecutive windows. The reference is written with the built-ins scratchlm re-implements: nn.Linear,
 nn.Embedding, nn.RMSNorm, F.scaled_dot_product_attention, F.silu, F.cross_entropy, torch.optim.AdamW,
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scratchlm.allocator import keep_freed_memory
+from scratchlm.device import autocast, device_profile, resolve_precision
 from scratchlm.model.config import ModelConfig
 from scratchlm.quickstart import (
     CALIBRATION_STEPS,
@@ -43,6 +44,11 @@ from scratchlm.run import load_model
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.evaluate import evaluate
 from scratchlm.training.schedule import cosine_lr_schedule
+
+
+def resolved_precision(requested: str) -> str:
+    """What `requested` ("auto", "fp32", "bf16") means on this CPU (scratchlm.device.choices)."""
+    return resolve_precision(requested, device_profile(torch.device("cpu")))[0].value
 
 
 class Rotary(nn.Module):
@@ -126,13 +132,14 @@ def train_reference(config: TrainConfig, seconds: float, fit_budget: bool) -> tu
     rng = np.random.default_rng(t.seed)
     context, tokens_per_step = c.context_length, t.batch_size * c.context_length
     skip = config.logging.log_interval  # steps left out of the speed measurement, as in the quickstart
+    precision = resolved_precision(t.precision)  # what scratchlm trains in, for both
     steps, start = 0, time.perf_counter()
     while steps < total[0] and time.perf_counter() - start < seconds:
         if steps == skip:
             steady_start = time.perf_counter()
         starts = rng.integers(0, len(data) - context, size=t.batch_size)
         windows = torch.from_numpy(data[starts[:, None] + np.arange(context + 1)].astype(np.int64))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
+        with autocast(torch.device("cpu"), precision):
             logits = compiled(windows[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
@@ -240,7 +247,8 @@ def main() -> None:
         f"\nsame data ({len(valid):,} validation tokens), same hyperparameters, {args.seconds:.0f} s of training each"
     )
     print(
-        f"{mode}, {threads} thread(s) each, precision {config.training.precision}, compile {config.training.compile}"
+        f"{mode}, {threads} thread(s) each, precision {config.training.precision} "
+        f"({resolved_precision(config.training.precision)}), compile {config.training.compile}"
     )
     print("| trainer | steps | tokens/s (with compilation) | validation loss (nats/token, whole file) |")
     print("| --- | ---: | ---: | ---: |")

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from scratchlm.allocator import keep_freed_memory
+from scratchlm.device import autocast, device_profile, resolve_precision
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.quickstart import FULL, RECIPES, SMALL, build_data, train_within_budget
 from scratchlm.run import load_model
@@ -127,8 +128,8 @@ def run_all(jobs: list[tuple[str, dict, float, str]], args: argparse.Namespace) 
 
 
 def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict[str, float]:
-    """Seconds per training step of each recipe (the trainer's step: bf16 forward and backward, clipping,
-    the optimizer), measured in turns in one process so that both see the same machine load; median of
+    """Seconds per training step of each recipe (the trainer's step: forward and backward in the precision
+    "auto" resolves to, clipping, the optimizer), measured in turns in one process so that both see the same machine load; median of
     `rounds` turns of `steps` steps each, after a compiled warm-up."""
     from scratchlm.data.prepare import PreparedData
     from scratchlm.model.transformer import TransformerLM
@@ -146,6 +147,7 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
     rng = np.random.default_rng(0)
     trainers = {}
     names = ["spec", "fast"]
+    precision = resolve_precision("auto", device_profile(torch.device("cpu")))[0].value  # as the runs train
     if args.ablations:  # each piece's own cost: the fast recipe without it
         for name, changes in ABLATIONS.items():
             RECIPES[name] = merged(RECIPES["fast"], changes)
@@ -155,13 +157,13 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
         torch.manual_seed(0)
         model = TransformerLM.from_config(config.model)
         compiled = model if args.no_compile else torch.compile(model)
-        trainers[name] = (model, compiled, build_optimizer(config.optimizer, model))
+        trainers[name] = (model, compiled, build_optimizer(config.optimizer, model, precision=precision))
 
     def one_step(name: str) -> None:
         model, compiled, optimizer = trainers[name]
         starts = sample_starts(len(tokens), size.batch_size, size.model["context_length"], rng)
         inputs, targets = gather_batch(tokens, starts, size.model["context_length"], torch.device("cpu"))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(torch.device("cpu"), precision):
             loss = cross_entropy(compiled(inputs), targets)
         loss.backward()
         clip_grad_norm(model.parameters(), 1.0)
