@@ -261,7 +261,7 @@ def test_doctor_reports_the_device_and_the_choices_train_then_uses(tmp_path, cap
     assert profile["memory_gbps"] > 0
     assert report["cores"]["usable"] >= 1 and report["cores"]["affinity"] >= report["cores"]["usable"]
     for choice in ("precision", "threads", "compile"):
-        assert set(report[choice]) == {"value", "reason"}
+        assert set(report[choice]) == {"value", "reason", "measured"}
     assert report["compile_works"] == {"value": None, "reason": "not checked"}
 
     train(TrainConfig.load(path))
@@ -293,3 +293,29 @@ def test_compile_works_on_this_machine_is_a_real_compilation():
     found, _ = profile_module.compiler_found(torch.device("cpu"))
     works, note = profile_module.compile_works(torch.device("cpu"), timeout=300)
     assert works == found, note
+
+
+def test_the_thread_count_follows_the_load_while_training(monkeypatch):
+    """Other processes take a core (the count drops to 1), then leave it (back to 2); the first interval only
+    sets the mark, and a count the user chose is never changed."""
+    from scratchlm.device.choices import Choice, ThreadTuner
+
+    monkeypatch.setattr(choices_module, "usable_cores", lambda: 2)
+    # (jiffies busy/total of CPUs 0 and 1, this process's CPU seconds, wall seconds) at each log step
+    marks = iter([
+        ({0: (0, 100), 1: (0, 100)}, 0.0, 0.0),
+        ({0: (100, 200), 1: (100, 200)}, 1.0, 1.0),  # both cores busy, 1 of them ours: 1 core for others
+        ({0: (200, 300), 1: (200, 300)}, 2.0, 2.0),  # the same
+        ({0: (300, 400), 1: (300, 400)}, 4.0, 3.0),  # both busy with our 2 threads: none for others
+    ])  # fmt: skip
+    monkeypatch.setattr(ThreadTuner, "_mark", lambda self: next(marks))
+    torch.set_num_threads(2)
+    try:
+        tuner = ThreadTuner(Choice(2, "2 usable cores, free", measured=True))
+        assert tuner.update() is None  # the mark
+        assert "2 → 1" in tuner.update() and torch.get_num_threads() == 1
+        assert tuner.update() is None
+        assert "1 → 2" in tuner.update() and torch.get_num_threads() == 2
+        assert ThreadTuner(Choice(2, "training.threads = 2")).update() is None
+    finally:
+        torch.set_num_threads(1)

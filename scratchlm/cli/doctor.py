@@ -19,17 +19,13 @@ HELP = "Report the device, its measured speed, and the precision, threads and co
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument(
-        "--refresh",
-        action="store_true",
-        help="measure again instead of reading this machine's cached profile",
-    )
-    parser.add_argument(
-        "--no-compile-check",
-        action="store_true",
-        help="skip the trial compilation of a small function (it takes seconds to a minute)",
-    )
+    flags = {
+        "--json": "print one JSON object instead of a table",
+        "--refresh": "measure again instead of reading this machine's cached profile",
+        "--no-compile-check": "skip the trial compilation of a small function (it takes seconds to a minute)",
+    }
+    for flag, text in flags.items():
+        parser.add_argument(flag, action="store_true", help=text)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ compiler); where it cannot, the run goes on uncompiled and says why.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,8 +31,11 @@ import torch
 
 from scratchlm.device.profile import (
     DeviceProfile,
+    affinity_cpus,
+    busy_between,
     busy_cores,
     compiler_found,
+    cpu_times,
     device_profile,
     usable_cores,
 )
@@ -50,6 +54,7 @@ _applied_threads: int | None = None  # the count scratchlm itself last set
 class Choice:
     value: Any
     reason: str
+    measured: bool = False  # chosen from a measurement of the machine, not set by the user
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ class Plan:
         """The one line a command prints when it starts."""
         p = self.profile
         name = p.name if p.type != "cpu" else f"{p.name} ({'native' if p.native_bf16 else 'no native'} bf16)"
-        threads = "" if self.threads.value is None else f", {self.threads.value} threads"
+        n = self.threads.value
+        threads = "" if n is None else f", {n} thread{'' if n == 1 else 's'}"
         return (
             f"{self.device}: {name} → {self.precision.value}{threads}, "
             f"{'compiled' if self.compile.value else 'not compiled'} "
@@ -129,8 +135,51 @@ def choose_threads(requested: int = 0) -> Choice:
     busy = busy_cores()
     free = max(1, min(usable, int(usable - busy + 0.5)))
     if free == usable:
-        return Choice(usable, f"{usable} usable cores, free")
-    return Choice(free, f"{usable} usable cores, {busy:.1f} kept busy by other processes")
+        return Choice(usable, f"{usable} usable cores, free", measured=True)
+    return Choice(free, f"{usable} usable cores, {busy:.1f} kept busy by other processes", measured=True)
+
+
+class ThreadTuner:
+    """Keeps the thread count fitted to the free cores while training runs (the load of a shared machine
+    comes and goes). At each call of `update` (the trainer's log steps) it measures, over the interval since
+    the last call, how many cores of this process's CPUs were busy (/proc/stat) less what this process itself
+    used (`os.times`): the rest is other processes. The count becomes the usable cores they leave free. The
+    first interval only sets the mark: it holds compilation, whose worker processes would count as others.
+    Off when the user chose the count, or where /proc/stat is missing."""
+
+    def __init__(self, choice: Choice) -> None:
+        self.usable = usable_cores()
+        self.enabled = choice.value is not None and choice.measured
+        self.marks: tuple[dict[int, tuple[int, int]], float, float] | None = None
+
+    def _mark(self) -> tuple[dict[int, tuple[int, int]], float, float]:
+        own = os.times()
+        return cpu_times(affinity_cpus()), own.user + own.system, time.monotonic()
+
+    def update(self) -> str | None:
+        """Re-choose; returns a line saying what changed, or None."""
+        if not self.enabled:
+            return None
+        try:
+            now = self._mark()
+        except (OSError, ValueError):
+            self.enabled = False
+            return None
+        before, self.marks = self.marks, now
+        if before is None or now[2] - before[2] < 0.5:
+            self.marks = before or now
+            return None
+        busy = busy_between(before[0], now[0])
+        ours = (now[1] - before[1]) / (now[2] - before[2])
+        others = max(0.0, busy - ours)
+        threads = max(1, min(self.usable, int(self.usable - others + 0.5)))
+        if threads == torch.get_num_threads():
+            return None
+        previous = torch.get_num_threads()
+        apply_threads(threads)
+        return (
+            f"threads {previous} → {threads}: other processes keep {others:.1f} of {self.usable} cores busy"
+        )
 
 
 def apply_threads(threads: int | None) -> None:

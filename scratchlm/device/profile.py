@@ -175,8 +175,8 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
-def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]]:
-    """(busy, total) jiffies of each CPU in `cpus`, from /proc/stat."""
+def cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]]:
+    """(busy, total) jiffies of each CPU in `cpus` so far, from /proc/stat."""
     times = {}
     for line in Path("/proc/stat").read_text().splitlines():
         name, *values = line.split()
@@ -187,22 +187,26 @@ def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]]:
     return times
 
 
-def busy_cores(seconds: float = 0.3) -> float:
-    """How many of this process's CPUs other work keeps busy, measured over `seconds` (this process sleeps
-    meanwhile, so what is busy is someone else). Without /proc/stat: the 1-minute load average."""
-    cpus = affinity_cpus()
-    try:
-        before = _cpu_times(cpus)
-        time.sleep(seconds)
-        after = _cpu_times(cpus)
-    except (OSError, ValueError):
-        return min(float(len(cpus)), os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0.0
+def busy_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> float:
+    """Cores kept busy between two `cpu_times` readings (the sum of each CPU's busy fraction)."""
     busy = 0.0
     for cpu, (busy_after, total_after) in after.items():
         busy_before, total_before = before.get(cpu, (busy_after, total_after))
         if total_after > total_before:
             busy += (busy_after - busy_before) / (total_after - total_before)
     return busy
+
+
+def busy_cores(seconds: float = 0.3) -> float:
+    """How many of this process's CPUs other work keeps busy, measured over `seconds` (this process sleeps
+    meanwhile, so what is busy is someone else). Without /proc/stat: the 1-minute load average."""
+    cpus = affinity_cpus()
+    try:
+        before = cpu_times(cpus)
+        time.sleep(seconds)
+        return busy_between(before, cpu_times(cpus))
+    except (OSError, ValueError):
+        return min(float(len(cpus)), os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0.0
 
 
 def compiler_found(device: torch.device) -> tuple[bool, str]:

@@ -43,6 +43,7 @@ import torch
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
 from scratchlm.device import Plan, apply_threads, autocast, plan, resolve_device
+from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.model.config import ModelConfig
@@ -522,6 +523,7 @@ class _Run:
             )
         self.session_start = time.perf_counter()
         self.interval = _Interval(self.device)
+        self.threads = ThreadTuner(self.choices.threads)
 
     def _elapsed(self) -> float:
         """Seconds of training in this run, over all its sessions."""
@@ -541,6 +543,8 @@ class _Run:
     def _log_train(self, loss: float, grad_norm: float) -> None:
         """Log the interval that ends at this step, and start the next."""
         tokens_per_s = self.interval.close(self.tokens_per_step)
+        if (change := self.threads.update()) is not None and self.dist.is_main:
+            console.print(change, style="dim")
         mfu = tokens_per_s * self.flops_per_token / (self.peak * self.dist.world_size) if self.peak else None
         lr = self.optimizer.param_groups[0]["lr"]
         self._log(
