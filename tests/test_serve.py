@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -495,3 +496,51 @@ def test_the_command_says_what_to_install_without_the_extra(run_dir, monkeypatch
     captured = capsys.readouterr()
     message = captured.out + captured.err
     assert "pip install 'scratchlm[serve]'" in message and "uvicorn" in message
+
+
+def chromium_driver(width: int = 420, height: int = 860):
+    """Headless Chromium through Selenium and chromium-driver (Debian's packages; nothing is downloaded)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("chromium not installed (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={width},{height}"):
+        options.add_argument(argument)
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+
+
+def test_the_page_streams_a_completion_in_chromium(server) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = chromium_driver()
+    try:
+        browser.set_page_load_timeout(TIMEOUT)
+        browser.get(f"{server.url}/")
+        wait = WebDriverWait(browser, TIMEOUT)
+        wait.until(lambda b: "parameters" in b.find_element(By.ID, "model").text)
+        assert "tiny-run" in browser.find_element(By.ID, "model").text
+        prompt = browser.find_element(By.ID, "prompt")
+        prompt.clear()
+        prompt.send_keys("The cat sat")
+        for field, value in (("max-tokens", "30"), ("temperature", "0")):
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
+        browser.find_element(By.ID, "generate").click()
+        wait.until(
+            lambda b: (
+                "tokens/s" in b.find_element(By.ID, "status").text
+                and "stopped" in b.find_element(By.ID, "status").text
+            )
+        )
+        shown = browser.find_element(By.ID, "completion").get_attribute("textContent")
+        expected = server.tokenizer.decode(server.expected("The cat sat", 30, temperature=0))
+        assert shown == expected and shown
+        assert browser.find_element(By.ID, "prompt-echo").get_attribute("textContent") == "The cat sat"
+        # Nothing but the server's own files was requested.
+        urls = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert urls and all(url.startswith(server.url) for url in urls)
+    finally:
+        browser.quit()

@@ -11,6 +11,9 @@ async function showModel() {
     $("model").textContent = `${info.model} · ${millions}M parameters · context ${info.context_length} tokens`;
     $("model").dataset.name = info.model;
     $("key-field").hidden = !info.api_key_required;
+    // The server refuses more new tokens than the context holds.
+    $("max-tokens").max = info.context_length;
+    $("max-tokens").value = Math.min(Number($("max-tokens").value), info.context_length);
   } catch (error) {
     $("model").textContent = `could not reach the server: ${error}`;
   }
