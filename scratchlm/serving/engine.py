@@ -36,7 +36,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from scratchlm.generation.sampling import sample_next_token
+from scratchlm.generation.sampling import draw, next_token_probs, sample_next_token
 from scratchlm.model.kv_cache import PaddedKVCache
 from scratchlm.model.transformer import TransformerLM
 
@@ -244,33 +244,44 @@ class Engine:
         self.cache.store(len(self._active), cache)
         with self._lock:
             self._active.append(sequence)
-        self._sample(sequence, logits[-1])
+        self._sample([sequence], logits[-1:])
 
     def _step(self) -> None:
         self.cache.batch_size = len(self._active)
         self.peak_batch = max(self.peak_batch, len(self._active))
         tokens = torch.tensor([[sequence.last_token] for sequence in self._active], device=self.device)
         logits = self.model(tokens, kv_cache=self.cache)[:, -1]
-        for row, sequence in enumerate(self._active):
-            self._sample(sequence, logits[row])
+        self._sample(self._active, logits)
 
-    def _sample(self, sequence: Sequence, logits: Float[Tensor, " vocab"]) -> None:
-        """Draw `sequence`'s next token from its row of logits (with its settings and generator), report it,
-        and mark the sequence done at end-of-text or at its budget."""
-        request = sequence.request
-        token = sample_next_token(logits[None], request.temperature, request.top_p, None, sequence.generator)
-        logprob = (
-            None
-            if request.top_logprobs is None
-            else token_logprobs(logits[None], token, request.top_logprobs)[0]
-        )
-        token_id = int(token[0])
-        sequence.generated += 1
-        sequence.last_token = token_id
-        sequence.emit(Token(token_id, logprob))
-        if token_id == self.eos_id or sequence.generated >= request.max_tokens:
-            sequence.done = True
-            sequence.emit(Finished("stop" if token_id == self.eos_id else "length"))
+    def _sample(self, sequences: list[Sequence], logits: Float[Tensor, "batch vocab"]) -> None:
+        """Draw each sequence's next token from its row of logits, report it, and mark the sequence done at
+        end-of-text or at its budget. Rows with the same settings get their distributions computed together
+        (a top-p sort of each row is as costly as a decode step's matrix products for a few rows), then each
+        row draws with its own generator, so a seed gives the same tokens whoever shares the batch."""
+        groups: dict[tuple[float, float], list[int]] = {}
+        for row, sequence in enumerate(sequences):
+            groups.setdefault((sequence.request.temperature, sequence.request.top_p), []).append(row)
+        tokens = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
+        for (temperature, top_p), rows in groups.items():
+            if temperature == 0:
+                tokens[rows] = sample_next_token(logits[rows], 0.0, top_p)
+                continue
+            probs = next_token_probs(logits[rows], temperature, top_p)
+            for i, row in enumerate(rows):
+                tokens[row] = draw(probs[i : i + 1], sequences[row].generator)[0]
+        for row, (sequence, token_id) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
+            request = sequence.request
+            logprob = None
+            if request.top_logprobs is not None:
+                logprob = token_logprobs(logits[row : row + 1], tokens[row : row + 1], request.top_logprobs)[
+                    0
+                ]
+            sequence.generated += 1
+            sequence.last_token = token_id
+            sequence.emit(Token(token_id, logprob))
+            if token_id == self.eos_id or sequence.generated >= request.max_tokens:
+                sequence.done = True
+                sequence.emit(Finished("stop" if token_id == self.eos_id else "length"))
 
     def _leave(self) -> None:
         """Take the finished and cancelled sequences out of the batch, moving the last rows into their places."""
