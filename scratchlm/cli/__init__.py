@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "train": "train",
     "eval": "eval",
     "generate": "generate",
+    "serve": "serve",
     "export": "export",
     "import-hf": "import_hf",
     "plot": "plot",

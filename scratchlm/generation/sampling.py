@@ -12,7 +12,8 @@ implementations, so that settings carry over):
    token always stays — then renormalise to sum 1.
 
 `sample_next_token` draws from that distribution with an optional `torch.Generator`, so a seed reproduces the
-draw; greedy decoding draws nothing and leaves the generator untouched.
+draw; greedy decoding draws nothing and leaves the generator untouched. `draw` is its last step alone, for
+rows whose distributions are computed together but drawn with generators of their own (the server's).
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def sample_next_token(
     if temperature == 0:
         check_sampling_options(temperature, top_p, top_k)
         return logits.argmax(dim=-1)
-    probs = next_token_probs(logits, temperature, top_p, top_k)
+    return draw(next_token_probs(logits, temperature, top_p, top_k), generator)
+
+
+def draw(probs: Float[Tensor, "... vocab"], generator: torch.Generator | None = None) -> Int[Tensor, "..."]:
+    """One token id per row of `probs` (a distribution from `next_token_probs`), drawn with `generator`."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -19,13 +19,22 @@ as absolute positions would, and the positions never leave the RoPE table howeve
     cache = model.new_kv_cache(batch_size=1)
     logits = model(prompt_ids, kv_cache=cache)        # prefill: (1, prompt_len, vocab)
     logits = model(next_id[:, None], kv_cache=cache)  # decode:  (1, 1, vocab)
+
+`PaddedKVCache` is the other layout, for serving sequences of different lengths in one batch (the server's
+scheduler, `scratchlm.serving.engine`): one preallocated `(rows, kv_heads, context, d_k)` tensor per layer, row
+r holding sequence r's tokens from index 0 and its own length. A decode step writes each row's new key at that
+row's length, and its query attends, under a mask, to that row's keys alone: rows never see each other's tokens
+or the stale entries past their lengths. Keys start at index 0 in every row, so position j is token j for
+all of them, and only the query positions differ from row to row (`attention_layout`).
 """
 
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
+
+from scratchlm.errors import ScratchlmError
 
 
 class LayerKVCache:
@@ -50,6 +59,13 @@ class LayerKVCache:
         self.keys, self.values = keys[..., -self.window :, :], values[..., -self.window :, :]
         return self.keys, self.values
 
+    def attention_layout(
+        self,
+    ) -> tuple[Int[Tensor, "batch 1 new"] | None, Bool[Tensor, "batch 1 new keys"] | None]:
+        """The new queries' positions and the keys each may attend to, for a cache whose rows differ; `(None,
+        None)` here: the new tokens are the last of the window, for every row, and attend causally."""
+        return None, None
+
 
 class KVCache:
     """The caches of all layers of one model for one batch of sequences; `length` counts the tokens seen
@@ -60,5 +76,109 @@ class KVCache:
         self.layers = [LayerKVCache(window) for _ in range(num_layers)]
         self.length = 0
 
+    def advance(self, num_new: int) -> None:
+        """Count `num_new` more tokens seen (the model calls this after each forward pass)."""
+        self.length += num_new
+
     def __repr__(self) -> str:
         return f"KVCache(layers={len(self.layers)}, window={self.window}, batch_size={self.batch_size}, length={self.length})"
+
+
+class PaddedKVCache:
+    """The caches of all layers for up to `max_rows` sequences of different lengths, one row each (see the
+    module docstring). A forward pass through it takes one new token per row for the first `batch_size`
+    rows; `store` puts a sequence prefilled in a `KVCache` into a row, `move` compacts rows when one leaves."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        window: int,
+        max_rows: int,
+        kv_heads: int,
+        d_k: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.window, self.max_rows = window, max_rows
+        self.batch_size = 0  # the rows in use: 0 .. batch_size - 1
+        self.lengths = [0] * max_rows
+        self._layout: tuple[Tensor, Tensor, int] | None = None  # positions, mask, keys: for the current step
+        shape = (max_rows, kv_heads, window, d_k)
+        # Zeros, not empty: a masked key's probability is exactly 0, and 0 times a finite value is 0.
+        self.layers = [
+            PaddedLayerKVCache(
+                self,
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+
+    def store(self, row: int, cache: KVCache) -> None:
+        """Copy the one sequence of `cache` (batch size 1, as prefill leaves it) into `row`."""
+        if cache.batch_size != 1 or cache.length > self.window:
+            raise ScratchlmError(f"a row takes one sequence of at most {self.window} tokens; got {cache!r}")
+        for mine, theirs in zip(self.layers, cache.layers, strict=True):
+            mine.keys[row, :, : cache.length] = theirs.keys[0]
+            mine.values[row, :, : cache.length] = theirs.values[0]
+        self.lengths[row] = cache.length
+        self._layout = None
+
+    def move(self, source: int, target: int) -> None:
+        """Copy row `source` (its tokens so far) into row `target`."""
+        length = self.lengths[source]
+        for layer in self.layers:
+            layer.keys[target, :, :length] = layer.keys[source, :, :length]
+            layer.values[target, :, :length] = layer.values[source, :, :length]
+        self.lengths[target] = length
+        self._layout = None
+
+    def advance(self, num_new: int) -> None:
+        """Each of the first `batch_size` rows has seen `num_new` more tokens."""
+        for row in range(self.batch_size):
+            self.lengths[row] += num_new
+        self._layout = None
+
+    def layout(self) -> tuple[Int[Tensor, " batch"], Bool[Tensor, "batch 1 1 keys"], int]:
+        """For this step: each row's new position (its length), which keys each row's query sees (its own
+        tokens and the new one), and how many keys the longest row has (the window the step computes on)."""
+        if self._layout is None:
+            lengths = self.lengths[: self.batch_size]
+            if max(lengths) >= self.window:
+                raise ScratchlmError(f"a row of the cache is full ({self.window} tokens)")
+            device = self.layers[0].keys.device
+            positions = torch.tensor(lengths, device=device)
+            num_keys = max(lengths) + 1
+            mask = torch.arange(num_keys, device=device) <= positions[:, None]
+            self._layout = positions, mask[:, None, None, :], num_keys
+        return self._layout
+
+    def __repr__(self) -> str:
+        return f"PaddedKVCache(layers={len(self.layers)}, window={self.window}, rows={self.batch_size}/{self.max_rows})"
+
+
+class PaddedLayerKVCache:
+    """One layer's rows of a `PaddedKVCache`: keys (before the position encoding) and values,
+    `(max_rows, kv_heads, window, d_k)` each."""
+
+    def __init__(self, owner: PaddedKVCache, keys: Tensor, values: Tensor) -> None:
+        self.owner, self.keys, self.values = owner, keys, values
+
+    def append(
+        self,
+        keys: Float[Tensor, "batch kv_heads 1 d_k"],
+        values: Float[Tensor, "batch kv_heads 1 d_k"],
+    ) -> tuple[Float[Tensor, "batch kv_heads keys d_k"], Float[Tensor, "batch kv_heads keys d_k"]]:
+        """Write each row's new key and value at that row's length; return the rows up to the longest."""
+        if keys.shape[-2] != 1:
+            raise ScratchlmError(f"a padded cache takes one new token per row, got {keys.shape[-2]}")
+        positions, _, num_keys = self.owner.layout()
+        rows = torch.arange(keys.shape[0], device=keys.device)
+        self.keys[rows, :, positions] = keys[:, :, 0]
+        self.values[rows, :, positions] = values[:, :, 0]
+        return self.keys[: len(rows), :, :num_keys], self.values[: len(rows), :, :num_keys]
+
+    def attention_layout(self) -> tuple[Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"]]:
+        """Row r's query is at position `lengths[r]` and sees keys `0 .. lengths[r]`."""
+        positions, mask, _ = self.owner.layout()
+        return positions[:, None, None], mask

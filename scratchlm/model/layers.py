@@ -463,12 +463,16 @@ class MultiHeadSelfAttention(nn.Module):
                 )
             # The cache holds keys before the position encoding: the window is encoded afresh each call.
             k, v = kv_cache.append(k, v)
+        # A cache whose rows have different lengths gives each row's query positions and key mask.
+        query_positions, mask = (None, None) if kv_cache is None else kv_cache.attention_layout()
 
         if token_positions is None:
             # Query i of the `seq` new tokens is token `keys - seq + i` of the key sequence.
             num_keys = k.shape[-2]
             key_index = torch.arange(num_keys, device=x.device)
-            q, k = self.positions(q, key_index[num_keys - q.shape[-2] :]), self.positions(k, key_index)
+            if query_positions is None:
+                query_positions = key_index[num_keys - q.shape[-2] :]
+            q, k = self.positions(q, query_positions), self.positions(k, key_index)
         else:
             positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
             q, k = self.positions(q, positions), self.positions(k, positions)
@@ -478,10 +482,21 @@ class MultiHeadSelfAttention(nn.Module):
             # Each key/value head is broadcast over its group of query heads, never copied; causal_attention
             # sums the group's gradients back into it.
             q = rearrange(q, "... (kv group) seq d_k -> ... kv group seq d_k", group=group)
-            heads = causal_attention(q, k.unsqueeze(-3), v.unsqueeze(-3)).flatten(-4, -3)
+            group_mask = None if mask is None else mask.unsqueeze(-3)
+            heads = _attend(q, k.unsqueeze(-3), v.unsqueeze(-3), group_mask).flatten(-4, -3)
         else:
-            heads = causal_attention(q, k, v)
+            heads = _attend(q, k, v, mask)
         return self.output_proj(rearrange(heads, "... heads seq d_k -> ... seq (heads d_k)"))
+
+
+def _attend(
+    q: Float[Tensor, "... queries d_k"],
+    k: Float[Tensor, "... keys d_k"],
+    v: Float[Tensor, "... keys d_v"],
+    mask: Bool[Tensor, "... queries keys"] | None,
+) -> Float[Tensor, "... queries d_v"]:
+    """Causal attention, the queries being the last keys; or, with a mask, the keys the mask allows."""
+    return causal_attention(q, k, v) if mask is None else scaled_dot_product_attention(q, k, v, mask)
 
 
 def build_from_config(cls: type, config: ModelConfig, device: Device, dtype: torch.dtype | None) -> Any:

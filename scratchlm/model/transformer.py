@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
-from scratchlm.model.kv_cache import KVCache, LayerKVCache
+from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache
 from scratchlm.model.layers import (
     Device,
     Embedding,
@@ -123,7 +123,8 @@ class TransformerLM(nn.Module):
     """Token ids `(..., seq)` -> next-token logits `(..., seq, vocab_size)`, `seq <= context_length`.
 
     With a `kv_cache` (from `new_kv_cache`), `token_ids` `(batch, n)` are the tokens that follow those the
-    cache has seen; see `scratchlm.model.kv_cache`.
+    cache has seen; with a `PaddedKVCache`, `(batch, 1)`: one token per row, each row at its own position. See
+    `scratchlm.model.kv_cache`.
     """
 
     def __init__(
@@ -191,7 +192,7 @@ class TransformerLM(nn.Module):
             self.token_embeddings.weight = self.lm_head.weight
 
     def forward(
-        self, token_ids: Int[Tensor, "... seq"], kv_cache: KVCache | None = None
+        self, token_ids: Int[Tensor, "... seq"], kv_cache: KVCache | PaddedKVCache | None = None
     ) -> Float[Tensor, "... seq vocab_size"]:
         seq = token_ids.shape[-1]
         if seq > self.config.context_length:
@@ -228,7 +229,7 @@ class TransformerLM(nn.Module):
             logits = cap * torch.tanh(_at_least_float32(logits) / cap)
 
         if kv_cache is not None:
-            kv_cache.length += seq
+            kv_cache.advance(seq)
         return logits
 
     def new_kv_cache(self, batch_size: int) -> KVCache:

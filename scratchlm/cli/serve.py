@@ -1,0 +1,83 @@
+"""`scratchlm serve --run DIR`: a trained model behind OpenAI's completions API and a web page.
+
+Concurrent requests share the model's forward passes (see `scratchlm.serving`). The server listens on
+127.0.0.1 unless `--host` says otherwise; with `--api-key KEY`, every API request needs
+`Authorization: Bearer KEY`. Ctrl-C or SIGTERM stops it: requests in flight get an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from scratchlm.cli.options import add_model_source_arguments, load_model_source
+
+HELP = "Serve a trained model: an OpenAI-compatible completions API and a web page, with batched generation."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_source_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--api-key", metavar="KEY", default=None, help="require 'Authorization: Bearer KEY' on API requests"
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=16, help="sequences generated together at most (default 16)"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="sequences waiting for the batch at most; more are refused with 429 (default 64)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer directory (default: the one recorded in the training config)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from scratchlm.errors import ScratchlmError
+
+    try:
+        from scratchlm.serving.server import build_server
+    except ImportError as e:
+        raise ScratchlmError(
+            f"serving needs Starlette and uvicorn ({e.name} is not installed): pip install 'scratchlm[serve]'"
+        ) from None
+    from scratchlm.console import console
+    from scratchlm.serving.engine import Engine
+    from scratchlm.tokenizer import END_OF_TEXT
+
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise ScratchlmError(
+            f"--max-batch and --max-queue must be at least 1, got {args.max_batch}, {args.max_queue}"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ScratchlmError(f"--port must be in 0..65535, got {args.port}")
+    trained = load_model_source(args, tokenizer=args.tokenizer)
+    if trained.tokenizer is None:
+        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    tokenizer = trained.tokenizer
+    eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
+    name = model_name(args.run, trained.checkpoint)
+    engine = Engine(trained.model, eos_id, max_batch=args.max_batch, max_queue=args.max_queue)
+    server = build_server(engine, tokenizer, name, args.host, args.port, args.api_key)
+    engine.start()
+    try:
+        parameters = trained.model.num_parameters()
+        url = f"http://{args.host}:{args.port}"
+        console.print(f"serving {name} ({parameters / 1e6:.1f}M parameters) from {trained.checkpoint}")
+        console.print(f"  page: {url}/")
+        console.print(f"  API:  {url}/v1  (OpenAI completions; model name '{name}')")
+        console.print("Ctrl-C to stop", style="dim")
+        server.run()
+    finally:
+        engine.stop()
+
+
+def model_name(run: str | None, checkpoint: Path) -> str:
+    """The name the API serves the model under: the run directory's name, else the checkpoint's stem."""
+    return Path(run).resolve().name if run is not None else Path(checkpoint).stem

@@ -1,0 +1,11 @@
+"""Serving a trained model: OpenAI's completions API and a web page, with batched generation.
+
+- `engine.py`: the scheduler thread that runs the model for every request in flight, one token per step for
+  all of them (continuous batching over a `PaddedKVCache`).
+- `api.py`: the Starlette app: the API's schema, limits and errors, streaming, the page's routes.
+- `server.py`: the uvicorn server around them, and a clean stop on Ctrl-C or SIGTERM.
+- `static/`: the page (HTML, CSS, JavaScript), shipped in the package; it loads nothing else.
+
+Starlette and uvicorn are the optional extra `scratchlm[serve]`; `scratchlm serve` is the way in. The design,
+the cache layout and the limits are described in docs/serving.md.
+"""

@@ -1,0 +1,532 @@
+"""The HTTP side of the server: OpenAI's completions API and the web page, as a Starlette (ASGI) app.
+
+    GET  /                     the page (`static/`: HTML, CSS and JavaScript shipped in the package)
+    GET  /info                 the model's name, size and context, for the page (no key needed)
+    GET  /v1/models            the one model served
+    POST /v1/completions       OpenAI's (legacy) completions: prompt, max_tokens, temperature, top_p, stop,
+                               seed, n, stream, logprobs, echo
+    /v1/chat/completions       404: a base model has no chat template
+
+A request is checked in full before anything is queued; anything wrong is answered with OpenAI's error shape,
+`{"error": {"message", "type", "param", "code"}}`, and a 4xx status (`APIError`), and the server carries on. Each
+prompt of a request, `n` times, becomes one `SequenceRequest` for the engine (choice i is prompt i // n);
+with a `seed`, choice i samples with seed `seed + i`, so a request with a seed is reproduced exactly and its
+choices still differ from one another.
+
+Text is produced from the tokens through an incremental UTF-8 decoder (a token can end inside a multi-byte
+character), and while a `stop` string may be starting, up to `len(longest stop) - 1` characters are held back;
+when one appears, the completion ends before it and the sequence is cancelled. End-of-text ends a completion
+too (`finish_reason` "stop") and is not part of its text. `usage` counts the prompt's tokens and every token
+the model produced for the completions, end-of-text included.
+
+Limits: a body of at most `MAX_BODY_BYTES` (413 above), `max_tokens` at most the context length (400 above;
+`prompt + completion` is then capped at the context, `finish_reason` "length"), a prompt of at most the
+context length (400 above), at most `MAX_CHOICES` completions per request, at most `max_queue` sequences
+waiting for the batch (429 above).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.generation.sampling import check_sampling_options
+from scratchlm.serving.engine import (
+    Engine,
+    Failed,
+    Finished,
+    PromptLogprobs,
+    QueueFull,
+    Sequence,
+    SequenceRequest,
+    Token,
+    TokenLogprob,
+)
+from scratchlm.tokenizer.tokenizer import Tokenizer
+
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than a context of tokens
+MAX_CHOICES = 64  # len(prompt) × n
+MAX_TOP_LOGPROBS = 5  # as OpenAI's completions API
+MAX_STOPS = 4  # as OpenAI's completions API
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error format: `status`, a message, its type, the parameter at fault, a code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[str]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    seed: int | None
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    echo: bool
+    tokens_as_ids: bool
+
+
+def _typed(body: dict, name: str, types: type | tuple[type, ...], default: Any, what: str) -> Any:
+    """`body[name]` (`default` when absent or null) if it is of `types`; booleans are not numbers here."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)}", name)
+    if not isinstance(value, types):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)}", name)
+    return value
+
+
+def _strings(body: dict, name: str, required: bool) -> list[str]:
+    """A string or a list of strings, as `prompt` and `stop` take."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", name)
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise APIError(400, f"'{name}' must be a string or a list of strings", name)
+    if required and not values:
+        raise APIError(400, f"'{name}' must not be an empty list", name)
+    if any(v == "" for v in values):
+        raise APIError(400, f"'{name}' must not contain an empty string", name)
+    return values
+
+
+def parse_completion_request(body: Any, model_name: str, context_length: int) -> CompletionRequest:
+    """Check a /v1/completions body against the API and this server's limits (`APIError` on the first
+    problem)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = _typed(body, "model", str, model_name, "a string")
+    if model != model_name:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{model_name}'",
+            "model",
+            code="model_not_found",
+        )
+    prompts = _strings(body, "prompt", required=True)
+    stop = _strings(body, "stop", required=False)
+    if len(stop) > MAX_STOPS:
+        raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
+    max_tokens = _typed(body, "max_tokens", int, 16, "an integer")
+    if not 0 <= max_tokens <= context_length:
+        raise APIError(
+            400,
+            f"'max_tokens' must be between 0 and the context length {context_length}, got {max_tokens}",
+            "max_tokens",
+        )
+    temperature = float(_typed(body, "temperature", (int, float), 1.0, "a number"))
+    top_p = float(_typed(body, "top_p", (int, float), 1.0, "a number"))
+    for name, options in (("temperature", (temperature, 1.0)), ("top_p", (1.0, top_p))):
+        try:
+            check_sampling_options(*options, None)
+        except ScratchlmError as e:
+            raise APIError(400, str(e), name) from None
+    n = _typed(body, "n", int, 1, "an integer")
+    if n < 1 or len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400, f"'n' must be at least 1, with at most {MAX_CHOICES} completions in all (prompts × n)", "n"
+        )
+    logprobs = _typed(body, "logprobs", int, None, "an integer")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            400, f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}", "logprobs"
+        )
+    stream_options = _typed(body, "stream_options", dict, {}, "an object")
+    for name, default in (("best_of", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
+        if body.get(name) not in (None, default):
+            raise APIError(400, f"'{name}' is not supported by this server", name)
+    if body.get("logit_bias") or body.get("suffix"):
+        raise APIError(400, "'logit_bias' and 'suffix' are not supported by this server")
+    return CompletionRequest(
+        prompts=prompts,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=stop,
+        seed=_typed(body, "seed", int, None, "an integer"),
+        n=n,
+        stream=_typed(body, "stream", bool, False, "a boolean"),
+        include_usage=_typed(stream_options, "include_usage", bool, False, "a boolean"),
+        logprobs=logprobs,
+        echo=_typed(body, "echo", bool, False, "a boolean"),
+        tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False, "a boolean"),
+    )
+
+
+class _Text:
+    """A completion's text as its tokens arrive: whole characters, held back while a stop string may be
+    starting. `offset` is where the completion starts in the choice's text (after an echoed prompt)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], offset: int) -> None:
+        self.vocab, self.stop = tokenizer.vocab, stop
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text, self.sent, self.offset = "", 0, offset
+        self.hold = max(map(len, stop), default=1) - 1
+
+    def add(self, token_id: int | None) -> tuple[str, bool]:
+        """The text that can be sent after `token_id` (None: the end), and whether a stop string ended it."""
+        final = token_id is None
+        self.text += self.decoder.decode(b"" if final else self.vocab[token_id], final=final)
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+        end = len(self.text) if found or final else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent : end], end
+        return piece, bool(found)
+
+
+def _logprobs_part(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprob | None], offset: int, as_ids: bool
+) -> dict:
+    """OpenAI's completions `logprobs` object for these tokens, whose text starts at character `offset`."""
+
+    def name(token_id: int) -> str:
+        return (
+            f"token_id:{token_id}" if as_ids else tokenizer.vocab[token_id].decode("utf-8", errors="replace")
+        )
+
+    offsets = []
+    for token_id in token_ids:
+        offsets.append(offset)
+        offset += len(tokenizer.vocab[token_id].decode("utf-8", errors="replace"))
+    return {
+        "tokens": [name(t) for t in token_ids],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+        "top_logprobs": [None if lp is None else {name(t): v for t, v in lp.top.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+class GenerationFailed(Exception):
+    """The engine could not finish a sequence (the server is stopping, or a bug)."""
+
+
+class Completions:
+    """Runs the choices of one /v1/completions request on the engine and shapes their pieces."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, request: CompletionRequest) -> None:
+        self.engine, self.tokenizer, self.request = engine, tokenizer, request
+        self.prompt_ids = [tokenizer.encode(prompt) for prompt in request.prompts]
+        context = engine.model.config.context_length
+        for ids in self.prompt_ids:
+            if len(ids) > context:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(ids)} tokens; this model's context is {context} tokens",
+                    "prompt",
+                    code="context_length_exceeded",
+                )
+        self.usage = {
+            "prompt_tokens": request.n * sum(map(len, self.prompt_ids)),
+            "completion_tokens": 0,
+        }
+        self.sequences: list[Sequence] = []
+
+    def submit(self) -> None:
+        request = self.request
+        sequence_requests = []
+        for index in range(len(request.prompts) * request.n):
+            ids = self.prompt_ids[index // request.n]
+            sequence_requests.append(
+                SequenceRequest(
+                    ids,
+                    min(request.max_tokens, self.engine.budget(len(ids))),
+                    request.temperature,
+                    request.top_p,
+                    None if request.seed is None else request.seed + index,
+                    request.logprobs,
+                    request.echo and request.logprobs is not None,
+                )
+            )
+        try:
+            self.sequences = self.engine.submit(sequence_requests)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+
+    def cancel(self) -> None:
+        for sequence in self.sequences:
+            self.engine.cancel(sequence)
+
+    async def _choice(self, index: int) -> AsyncIterator[dict]:
+        """Pieces of choice `index`: `{"index", "text", "logprobs", "finish_reason"}`, the last with a reason."""
+        request, sequence = self.request, self.sequences[index]
+        prompt_ids, prompt = self.prompt_ids[index // request.n], request.prompts[index // request.n]
+        text = _Text(self.tokenizer, request.stop, len(prompt) if request.echo else 0)
+
+        def piece(content: str, ids: list[int], lps: list, offset: int, reason: str | None = None) -> dict:
+            logprobs = (
+                None
+                if request.logprobs is None
+                else _logprobs_part(self.tokenizer, ids, lps, offset, request.tokens_as_ids)
+            )
+            return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": reason}
+
+        if request.echo and request.logprobs is None:
+            yield piece(prompt, [], [], 0)
+        while True:
+            event = await sequence.events.get()
+            if isinstance(event, PromptLogprobs):
+                yield piece(prompt, prompt_ids, [None, *event.tokens], 0)
+            elif isinstance(event, Token):
+                self.usage["completion_tokens"] += 1
+                if event.token_id == self.engine.eos_id:
+                    continue  # the end of the text, not part of it; `Finished` follows
+                offset = text.offset + len(text.text)
+                content, stopped = text.add(event.token_id)
+                if stopped:
+                    self.engine.cancel(sequence)
+                    yield piece(content, [event.token_id], [event.logprob], offset, "stop")
+                    return
+                yield piece(content, [event.token_id], [event.logprob], offset)
+            elif isinstance(event, Finished):
+                content, stopped = text.add(None)
+                reason = "stop" if stopped else event.reason
+                yield piece(content, [], [], text.offset + len(text.text) - len(content), reason)
+                return
+            elif isinstance(event, Failed):
+                raise GenerationFailed(event.message)
+
+    async def pieces(self) -> AsyncIterator[dict]:
+        """The pieces of every choice, as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for item in self._choice(index):
+                    await queue.put(item)
+                await queue.put(None)
+            except GenerationFailed as e:
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.sequences))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.cancel()
+
+
+def _merge(pieces: list[dict]) -> dict:
+    """One choice from its pieces, in order."""
+    choice = {
+        "index": pieces[0]["index"],
+        "text": "",
+        "logprobs": None,
+        "finish_reason": pieces[-1]["finish_reason"],
+    }
+    for item in pieces:
+        choice["text"] += item["text"]
+        if item["logprobs"] is not None:
+            if choice["logprobs"] is None:
+                choice["logprobs"] = {key: [] for key in item["logprobs"]}
+            for key, values in item["logprobs"].items():
+                choice["logprobs"][key].extend(values)
+    return choice
+
+
+def create_app(
+    engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None
+) -> Starlette:
+    """The server's ASGI app around a started `engine`."""
+    config = engine.model.config
+    created = int(time.time())
+
+    def usage(completions: Completions) -> dict:
+        total = completions.usage["prompt_tokens"] + completions.usage["completion_tokens"]
+        return {**completions.usage, "total_tokens": total}
+
+    async def read_json(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def completions_endpoint(request: Request) -> Response:
+        completion_request = parse_completion_request(
+            await read_json(request), model_name, config.context_length
+        )
+        completions = Completions(engine, tokenizer, completion_request)
+        completions.submit()
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+        if completion_request.stream:
+            return StreamingResponse(_stream(completions, head), media_type="text/event-stream")
+        return await _complete(request, completions, head)
+
+    async def _stream(completions: Completions, head: dict) -> AsyncIterator[str]:
+        # A client that goes away cancels this generator where it waits; `pieces` then cancels the sequences.
+        try:
+            async for item in completions.pieces():
+                yield f"data: {json.dumps({**head, 'choices': [item]})}\n\n"
+            if completions.request.include_usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(completions)})}\n\n"
+        except GenerationFailed as e:
+            error = APIError(503, str(e), type="server_error", code="generation_failed")
+            yield f"data: {json.dumps({'error': json.loads(error.response().body)['error']})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _complete(request: Request, completions: Completions, head: dict) -> Response:
+        async def collect() -> list[dict]:
+            return [item async for item in completions.pieces()]
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():  # the client went away: nobody will read the answer
+                work.cancel()
+                completions.cancel()
+        try:
+            pieces = work.result()
+        except GenerationFailed as e:
+            raise APIError(503, str(e), type="server_error", code="generation_failed") from None
+        by_choice: dict[int, list[dict]] = {}
+        for item in pieces:
+            by_choice.setdefault(item["index"], []).append(item)
+        choices = [_merge(by_choice[index]) for index in sorted(by_choice)]
+        return JSONResponse({**head, "choices": choices, "usage": usage(completions)})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "scratchlm"}],
+            }
+        )
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model": model_name,
+                "parameters": engine.model.num_parameters(),
+                "context_length": config.context_length,
+                "api_key_required": api_key is not None,
+            }
+        )
+
+    async def chat(request: Request) -> Response:
+        raise APIError(
+            404,
+            "this server has no /v1/chat/completions: it serves a base model, which has no chat template; "
+            "use /v1/completions",
+            code="not_found",
+        )
+
+    async def page(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        return exc.response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        messages = {404: f"no such path: {request.url.path}", 405: f"{request.method} is not allowed here"}
+        message = messages.get(exc.status_code, str(exc.detail))
+        return APIError(
+            exc.status_code, message, code="not_found" if exc.status_code == 404 else None
+        ).response()
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # A bug: still an answer in the API's shape, without the traceback.
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+    return Starlette(
+        routes=[
+            Route("/", page),
+            Route("/info", info),
+            Route("/v1/models", models),
+            Route("/v1/completions", completions_endpoint, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["GET", "POST"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ],
+        middleware=[] if api_key is None else [Middleware(_RequireKey, api_key=api_key)],
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+    )
+
+
+class _RequireKey:
+    """ASGI middleware: every /v1/ request needs `Authorization: Bearer KEY` (the page and /info do not)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and scope["path"].startswith("/v1/")
+        if guarded and dict(scope["headers"]).get(b"authorization") != self.expected:
+            error = APIError(
+                401,
+                "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,299 @@
+"""The batching scheduler: one thread runs the model for every sequence in flight, a token at a time.
+
+Requests put sequences in a queue (`submit`); the scheduler thread loops over
+
+    admit:  while the batch has room, take a queued sequence and prefill it alone (batch 1, a fresh
+            `KVCache`: the same computation as `generate`), sample its first token, copy its keys and
+            values into a free row of the `PaddedKVCache`;
+    step:   one forward pass over the newest token of every row (`(rows, 1)` token ids), each row at its own
+            position and attending to its own keys only; sample each row's next token with its own settings
+            and `torch.Generator`;
+    leave:  a sequence that sampled end-of-text, reached its token budget or was cancelled leaves, and the
+            last row moves into its place, so the rows in use are always 0 .. batch - 1.
+
+So a request joins the running batch at the next token and leaves it when it is done; a decode step costs
+about the same for 16 rows as for 1 on a CPU (the weights are read once per step either way), which is where
+the throughput of serving many clients comes from.
+
+The scheduler talks to the asyncio side of the server through each sequence's `asyncio.Queue`, filled with
+`loop.call_soon_threadsafe`: `PromptLogprobs`, then one `Token` per sampled token, then `Finished` or
+`Failed`. Cancelling (a client that went away, a stop string found) sets a flag that the scheduler reads
+before the next step, so the row is free for the next queued sequence within one token.
+
+A sequence never outgrows the context: the budget of a prompt of `p` tokens is capped at
+`context_length - p` new tokens (see `Engine.budget`), so every token is predicted from the whole sequence,
+exactly as `generate` does within the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from scratchlm.generation.sampling import draw, next_token_probs, sample_next_token
+from scratchlm.model.kv_cache import PaddedKVCache
+from scratchlm.model.transformer import TransformerLM
+
+
+class QueueFull(Exception):
+    """The queue of sequences waiting for a place in the batch has no room for a request's sequences."""
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to generate: the prompt's token ids and how to sample after it."""
+
+    prompt_ids: list[int]
+    max_tokens: int  # at most `Engine.budget(len(prompt_ids))`
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    prompt_logprobs: bool = False  # report the prompt's tokens' log-probabilities too
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (the raw logits, before temperature and top-p), and the
+    `top` most likely tokens at its position with theirs."""
+
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The log-probability of each prompt token after the first, given the tokens before it."""
+
+    tokens: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (end-of-text) or "length" (the token budget)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = PromptLogprobs | Token | Finished | Failed
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A sequence in the queue or in the batch; its events arrive in `events`."""
+
+    request: SequenceRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # set by the asyncio side; read by the scheduler before each step
+    generated: int = 0
+    last_token: int = -1
+    done: bool = False
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def token_logprobs(logits: Float[Tensor, "... vocab"], token_ids: Tensor, top: int) -> list[TokenLogprob]:
+    """The log-softmax of each row of `logits` at `token_ids`, and its `top` largest entries."""
+    logprobs = logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    chosen = logprobs.gather(-1, token_ids[..., None])[..., 0].tolist()
+    best = torch.topk(logprobs, top, dim=-1) if top else None
+    tops = (
+        [
+            dict(zip(i, v, strict=True))
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        ]
+        if best is not None
+        else [{} for _ in chosen]
+    )
+    return [TokenLogprob(lp, t) for lp, t in zip(chosen, tops, strict=True)]
+
+
+class Engine:
+    """Runs `model` for the sequences of every request, `max_batch` at a time, `max_queue` more waiting."""
+
+    def __init__(self, model: TransformerLM, eos_id: int | None, max_batch: int = 16, max_queue: int = 64):
+        self.model, self.eos_id = model, eos_id
+        self.max_batch, self.max_queue = max_batch, max_queue
+        config = model.config
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.cache = PaddedKVCache(
+            config.num_layers,
+            config.context_length,
+            max_batch,
+            config.kv_heads,
+            config.head_dim,
+            parameter.dtype,
+            self.device,
+        )
+        self.peak_batch = 0  # the most rows one step has run, since the start
+        self._active: list[Sequence] = []  # row i of the cache is sequence i
+        self._pending: deque[Sequence] = deque()
+        self._lock = threading.Condition()
+        self._stopping: str | None = None
+        self._thread = threading.Thread(target=self._run, name="scratchlm-engine", daemon=True)
+
+    def budget(self, prompt_tokens: int) -> int:
+        """How many tokens can follow a prompt of `prompt_tokens` tokens within the context."""
+        return max(0, self.model.config.context_length - prompt_tokens)
+
+    @property
+    def active_count(self) -> int:
+        """Sequences in the batch or waiting for it."""
+        with self._lock:
+            return len(self._active) + len(self._pending)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, message: str = "the server is shutting down", wait: bool = True) -> None:
+        """Fail every sequence in flight with `message` and end the scheduler thread (`wait`: until it has)."""
+        with self._lock:
+            self._stopping = message
+            self._lock.notify()
+        if wait and self._thread.is_alive():
+            self._thread.join()
+
+    def submit(self, requests: list[SequenceRequest]) -> list[Sequence]:
+        """Queue the sequences of one request, all or none (`QueueFull`). Call from the event loop."""
+        loop = asyncio.get_running_loop()
+        sequences = [Sequence(request, loop) for request in requests]
+        for sequence in sequences:
+            if sequence.request.seed is None:
+                sequence.generator.seed()
+            else:
+                sequence.generator.manual_seed(sequence.request.seed)
+        with self._lock:
+            if self._stopping is not None:
+                raise QueueFull(self._stopping)
+            if len(self._pending) + len(sequences) > self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} sequences waiting); retry later")
+            self._pending.extend(sequences)
+            self._lock.notify()
+        return sequences
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop generating `sequence`: it leaves the queue now, or the batch before the next step."""
+        with self._lock:
+            sequence.cancelled = True
+            if sequence in self._pending:
+                self._pending.remove(sequence)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while self._stopping is None and not self._pending and not self._active:
+                        self._lock.wait()
+                    if self._stopping is not None:
+                        break
+                    room = self.max_batch - len(self._active)
+                    admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+                try:
+                    for sequence in admitted:
+                        self._prefill(sequence)
+                    self._leave()
+                    if self._active:
+                        self._step()
+                        self._leave()
+                except Exception as e:  # a bug: fail the sequences it touched, keep serving the others
+                    for sequence in [*admitted, *self._active]:
+                        sequence.done = True
+                        sequence.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+                    self._leave()
+        with self._lock:
+            for sequence in [*self._active, *self._pending]:
+                sequence.emit(Failed(self._stopping))
+            self._active.clear()
+            self._pending.clear()
+
+    def _prefill(self, sequence: Sequence) -> None:
+        request = sequence.request
+        if sequence.cancelled:
+            return
+        if request.max_tokens == 0 and not request.prompt_logprobs:
+            sequence.emit(Finished("length"))
+            return
+        prompt = torch.tensor([request.prompt_ids], device=self.device)
+        cache = self.model.new_kv_cache(1)
+        logits = self.model(prompt, kv_cache=cache)[0]
+        if request.prompt_logprobs:
+            top = request.top_logprobs or 0
+            sequence.emit(PromptLogprobs(token_logprobs(logits[:-1], prompt[0, 1:], top)))
+        if request.max_tokens == 0:
+            sequence.emit(Finished("length"))
+            return
+        self.cache.store(len(self._active), cache)
+        with self._lock:
+            self._active.append(sequence)
+        self._sample([sequence], logits[-1:])
+
+    def _step(self) -> None:
+        self.cache.batch_size = len(self._active)
+        self.peak_batch = max(self.peak_batch, len(self._active))
+        tokens = torch.tensor([[sequence.last_token] for sequence in self._active], device=self.device)
+        logits = self.model(tokens, kv_cache=self.cache)[:, -1]
+        self._sample(self._active, logits)
+
+    def _sample(self, sequences: list[Sequence], logits: Float[Tensor, "batch vocab"]) -> None:
+        """Draw each sequence's next token from its row of logits, report it, and mark the sequence done at
+        end-of-text or at its budget. Rows with the same settings get their distributions computed together
+        (a top-p sort of each row is as costly as a decode step's matrix products for a few rows), then each
+        row draws with its own generator, so a seed gives the same tokens whoever shares the batch."""
+        groups: dict[tuple[float, float], list[int]] = {}
+        for row, sequence in enumerate(sequences):
+            groups.setdefault((sequence.request.temperature, sequence.request.top_p), []).append(row)
+        tokens = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
+        for (temperature, top_p), rows in groups.items():
+            if temperature == 0:
+                tokens[rows] = sample_next_token(logits[rows], 0.0, top_p)
+                continue
+            probs = next_token_probs(logits[rows], temperature, top_p)
+            for i, row in enumerate(rows):
+                tokens[row] = draw(probs[i : i + 1], sequences[row].generator)[0]
+        for row, (sequence, token_id) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
+            request = sequence.request
+            logprob = None
+            if request.top_logprobs is not None:
+                logprob = token_logprobs(logits[row : row + 1], tokens[row : row + 1], request.top_logprobs)[
+                    0
+                ]
+            sequence.generated += 1
+            sequence.last_token = token_id
+            sequence.emit(Token(token_id, logprob))
+            if token_id == self.eos_id or sequence.generated >= request.max_tokens:
+                sequence.done = True
+                sequence.emit(Finished("stop" if token_id == self.eos_id else "length"))
+
+    def _leave(self) -> None:
+        """Take the finished and cancelled sequences out of the batch, moving the last rows into their places."""
+        with self._lock:
+            row = 0
+            while row < len(self._active):
+                if self._active[row].done or self._active[row].cancelled:
+                    last = len(self._active) - 1
+                    if row != last:
+                        self.cache.move(last, row)
+                    self._active[row] = self._active[last]
+                    self._active.pop()
+                else:
+                    row += 1
+            self.cache.batch_size = len(self._active)

@@ -1,0 +1,546 @@
+"""`scratchlm serve`: a real server on 127.0.0.1 driven by the real `openai` client (and raw HTTP for what the
+client would not send). The oracles: `generate_stream` for the tokens (greedy, alone and among 16 concurrent
+requests; seeded sampling), `torch.log_softmax` of the model's own logits for `logprobs` and `echo`."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("starlette", reason="starlette not installed (pip install 'scratchlm[serve]')")
+pytest.importorskip("uvicorn", reason="uvicorn not installed (pip install 'scratchlm[serve]')")
+openai = pytest.importorskip("openai", reason="openai not installed (the test oracle)")
+from interop_helpers import make_run, scratch_model, small_tokenizer  # noqa: E402
+
+from scratchlm.generation.generate import generate_stream  # noqa: E402
+from scratchlm.model.config import ModelConfig  # noqa: E402
+from scratchlm.run.load import load_trained  # noqa: E402
+from scratchlm.serving.engine import Engine  # noqa: E402
+from scratchlm.serving.server import build_server  # noqa: E402
+from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
+
+CONTEXT = 64
+PROMPTS = [
+    "Once upon a time",
+    "The cat sat",
+    "In the beginning there was",
+    "A",
+    "She said that the weather",
+    "Resumption of the session",
+    "It was a dark and stormy night, and",
+    "1 2 3",
+]
+TIMEOUT = 30  # seconds: every request of these tests is bounded
+
+
+class Running:
+    """A server in a thread, its engine, the model and tokenizer it serves, and its base URL."""
+
+    def __init__(self, trained, name: str, api_key: str | None = None, **engine_options) -> None:
+        self.model, self.tokenizer, self.name = trained.model, trained.tokenizer, name
+        self.eos_id = self.tokenizer.token_id(END_OF_TEXT)
+        self.engine = Engine(self.model, self.eos_id, **engine_options)
+        self.engine.start()
+        self.server = build_server(self.engine, self.tokenizer, name, port=0, api_key=api_key)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + TIMEOUT
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=api_key or "none", timeout=TIMEOUT, max_retries=0
+        )
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(TIMEOUT)
+        self.engine.stop()
+
+    def expected(self, prompt: str, max_tokens: int, **options) -> list[int]:
+        """`generate_stream`'s tokens (as `scratchlm generate` runs it), up to end-of-text, which it ends."""
+        out = []
+        stream = generate_stream(
+            self.model, self.tokenizer.encode(prompt), max_tokens, eos_id=self.eos_id, **options
+        )
+        for token in stream:
+            if token == self.eos_id:
+                break
+            out.append(token)
+        return out
+
+
+def idle_after(engine: Engine, limit: float) -> float:
+    """Seconds until the engine has no sequence left (at most `limit`, then the test fails on the count)."""
+    started = time.monotonic()
+    while engine.active_count and time.monotonic() - started < limit:
+        time.sleep(0.005)
+    assert engine.active_count == 0
+    return time.monotonic() - started
+
+
+def token_ids(choice) -> list[int]:
+    return [int(token.removeprefix("token_id:")) for token in choice.logprobs.tokens]
+
+
+def ids_body(**options) -> dict:
+    return {"logprobs": 0, "extra_body": {"return_tokens_as_token_ids": True}, **options}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    tokenizer = small_tokenizer()
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        context_length=CONTEXT,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    return make_run(tmp_path_factory.mktemp("serve") / "tiny-run", scratch_model(config, seed=3), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    running = Running(load_trained(run_dir), "tiny-run")
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def slow_server(run_dir):
+    """A server with a key, room for 2 sequences in the batch and 2 in the queue, and a model slowed to 20 ms
+    a forward pass, so that a request of 60 tokens takes over a second."""
+    trained = load_trained(run_dir)
+    trained.model.register_forward_pre_hook(lambda module, inputs: time.sleep(0.02))
+    running = Running(trained, "tiny-run", api_key="sesame", max_batch=2, max_queue=2)
+    yield running
+    running.close()
+
+
+def test_models_lists_the_served_model(server) -> None:
+    assert [model.id for model in server.client.models.list().data] == ["tiny-run"]
+    info = request(server.url, "GET", "/info").json()
+    assert info["parameters"] == server.model.num_parameters() and info["context_length"] == CONTEXT
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_tokens_equal_generate_alone(server, stream: bool) -> None:
+    for prompt in PROMPTS[:3]:
+        expected = server.expected(prompt, 40, temperature=0)
+        if stream:
+            chunks = list(
+                server.client.completions.create(
+                    model="tiny-run", prompt=prompt, max_tokens=40, temperature=0, stream=True, **ids_body()
+                )
+            )
+            text = "".join(chunk.choices[0].text for chunk in chunks)
+            got = [i for chunk in chunks for i in token_ids(chunk.choices[0])]
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            response = server.client.completions.create(
+                model="tiny-run", prompt=prompt, max_tokens=40, temperature=0, **ids_body()
+            )
+            choice = response.choices[0]
+            text, got, reason = choice.text, token_ids(choice), choice.finish_reason
+            assert response.usage.prompt_tokens == len(server.tokenizer.encode(prompt))
+            assert response.usage.completion_tokens == len(expected) + (len(expected) < 40)  # + end-of-text
+        assert got == expected
+        assert text == server.tokenizer.decode(expected)
+        assert reason == ("length" if len(expected) == 40 else "stop")
+
+
+def test_greedy_tokens_equal_generate_among_16_concurrent(server) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
+    # Different lengths: requests leave the batch at different steps.
+    lengths = [20 + 2 * i for i in range(16)]
+
+    def ask(i: int) -> list[int]:
+        options = ids_body(model="tiny-run", prompt=prompts[i], max_tokens=lengths[i], temperature=0)
+        if i % 2:
+            chunks = server.client.completions.create(stream=True, **options)
+            return [t for chunk in chunks for t in token_ids(chunk.choices[0])]
+        return token_ids(server.client.completions.create(**options).choices[0])
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16), timeout=TIMEOUT))
+    for i in range(16):
+        assert got[i] == server.expected(prompts[i], lengths[i], temperature=0), i
+    assert server.engine.peak_batch >= 4  # they really shared forward passes
+    idle_after(server.engine, 1.0)
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate(server) -> None:
+    options = dict(model="tiny-run", prompt="The cat sat", max_tokens=30, temperature=1.0, top_p=0.9)
+    first = server.client.completions.create(seed=7, **ids_body(**options)).choices[0]
+    again = server.client.completions.create(seed=7, **ids_body(**options)).choices[0]
+    other = server.client.completions.create(seed=8, **ids_body(**options)).choices[0]
+    assert token_ids(first) == token_ids(again) and first.text == again.text
+    assert token_ids(first) != token_ids(other)
+    oracle = server.expected(
+        "The cat sat", 30, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(7)
+    )
+    assert token_ids(first) == oracle
+    streamed = server.client.completions.create(seed=7, stream=True, **options)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == first.text
+
+
+def test_n_and_a_list_of_prompts(server) -> None:
+    response = server.client.completions.create(
+        model="tiny-run", prompt=PROMPTS[:2], n=2, max_tokens=12, temperature=0, **ids_body()
+    )
+    assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
+    for choice in response.choices:
+        assert token_ids(choice) == server.expected(PROMPTS[choice.index // 2], 12, temperature=0)
+    sampled = server.client.completions.create(
+        model="tiny-run", prompt="A", n=3, max_tokens=12, temperature=1.0, seed=1
+    )
+    assert len({choice.text for choice in sampled.choices}) == 3  # choice i samples with seed + i
+
+
+def log_softmax_oracle(server, ids: list[int]) -> tuple[list[float], list[int]]:
+    """Each token's log-probability given those before it, and the most likely token at each position."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(server.model(torch.tensor([ids]))[0].double(), dim=-1)
+    return [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))], logprobs.argmax(-1).tolist()
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt(server) -> None:
+    prompt = "It was a dark and stormy night, and the cat sat"
+    ids = server.tokenizer.encode(prompt)
+    response = server.client.completions.create(
+        model="tiny-run", prompt=prompt, max_tokens=0, echo=True, logprobs=1, **{"extra_body": {}}
+    )
+    choice = response.choices[0]
+    expected, best = log_softmax_oracle(server, ids)
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert choice.logprobs.tokens == [server.tokenizer.decode([i]) for i in ids]
+    tops = choice.logprobs.top_logprobs[1:]
+    assert [list(top) for top in tops] == [[server.tokenizer.decode([b])] for b in best[:-1]]
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == 0
+
+
+def test_completion_logprobs_equal_the_model_log_softmax(server) -> None:
+    prompt = "Once upon a time"
+    response = server.client.completions.create(
+        model="tiny-run", prompt=prompt, max_tokens=10, echo=True, temperature=1.0, seed=3, **ids_body()
+    )
+    choice = response.choices[0]
+    ids = token_ids(choice)  # the prompt's, then the completion's
+    assert ids[: len(server.tokenizer.encode(prompt))] == server.tokenizer.encode(prompt)
+    expected, _ = log_softmax_oracle(server, ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert choice.text == server.tokenizer.decode(ids)
+
+
+def test_stop_strings_end_the_text_before_them(server) -> None:
+    full = server.client.completions.create(
+        model="tiny-run", prompt="The cat sat", max_tokens=40, temperature=0
+    )
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for stream in (False, True):
+        response = server.client.completions.create(
+            model="tiny-run",
+            prompt="The cat sat",
+            max_tokens=40,
+            temperature=0,
+            stop=[stop, "\x00never"],
+            stream=stream,
+        )
+        if stream:
+            chunks = list(response)
+            got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            got, reason = response.choices[0].text, response.choices[0].finish_reason
+        assert got == text[: text.index(stop)] and reason == "stop"
+        idle_after(server.engine, 1.0)
+
+
+def test_chat_completions_is_a_clear_404(server) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client.chat.completions.create(model="tiny-run", messages=[{"role": "user", "content": "hi"}])
+    assert "chat template" in caught.value.body["message"]
+
+
+class Reply:
+    """A raw HTTP answer: status and body."""
+
+    def __init__(self, status: int, text: str) -> None:
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def connect(url: str, timeout: float = TIMEOUT) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def request(
+    url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+) -> Reply:
+    connection = connect(url)
+    try:
+        connection.request(
+            method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
+        )
+        response = connection.getresponse()
+        return Reply(response.status, response.read().decode())
+    finally:
+        connection.close()
+
+
+def post(url: str, content: bytes, headers: dict | None = None) -> Reply:
+    return request(url, "POST", "/v1/completions", content, headers)
+
+
+BAD_BODIES = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": "tiny-run"}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": []}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": ["a", 3]}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "a", "max_tokens": "10"}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "a", "max_tokens": 1.5}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "a", "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "a", "max_tokens": CONTEXT + 1}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "a", "temperature": -0.5}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "a", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "a", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "a", "top_p": 1.5}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "a", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"prompt": "a", "n": 0}).encode(), 400, "n"),
+    (json.dumps({"prompt": "a", "logprobs": 6}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": "a", "stop": [""]}).encode(), 400, "stop"),
+    (json.dumps({"prompt": "a", "seed": "x"}).encode(), 400, "seed"),
+    (json.dumps({"prompt": "a " * 200}).encode(), 400, "prompt"),  # longer than the context
+    (json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model"),
+    (json.dumps({"prompt": "a" * (1 << 20)}).encode(), 413, None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, body, status, param) -> None:
+    response = post(server.url, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert "Traceback" not in response.text
+    ok = server.client.completions.create(model="tiny-run", prompt="A", max_tokens=2, temperature=0)
+    assert len(ok.choices) == 1
+
+
+def test_the_openai_client_sees_the_errors_as_such(server) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client.completions.create(model="tiny-run", prompt="a", max_tokens=-1)
+    assert caught.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="other", prompt="a")
+
+
+def test_a_prompt_near_the_context_gets_the_rest_of_it(server) -> None:
+    words = " ".join(PROMPTS * 4).split()
+    prompt = ""
+    while len(server.tokenizer.encode(prompt)) < CONTEXT - 6:
+        prompt += " " + words.pop(0)
+    room = CONTEXT - len(server.tokenizer.encode(prompt))  # a few tokens
+    assert 0 < room <= 6
+    choice = server.client.completions.create(
+        model="tiny-run", prompt=prompt, max_tokens=CONTEXT, temperature=0, **ids_body()
+    ).choices[0]
+    expected = server.expected(prompt, room, temperature=0)
+    assert token_ids(choice) == expected
+    assert choice.finish_reason == ("length" if len(expected) == room else "stop")
+
+
+def test_the_key_is_required_when_set(slow_server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = post(slow_server.url, json.dumps({"prompt": "a"}).encode(), headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert request(slow_server.url, "GET", "/v1/models").status_code == 401
+    wrong = openai.OpenAI(base_url=f"{slow_server.url}/v1", api_key="wrong", timeout=TIMEOUT, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    ok = slow_server.client.completions.create(model="tiny-run", prompt="A", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_full_queue_is_429(slow_server) -> None:
+    with pytest.raises(openai.RateLimitError):  # 3 sequences for a queue of 2
+        slow_server.client.completions.create(model="tiny-run", prompt="A", max_tokens=2, n=3)
+    assert slow_server.client.completions.create(model="tiny-run", prompt="A", max_tokens=1).choices
+
+
+def test_a_client_that_disconnects_frees_its_place_at_once(slow_server) -> None:
+    body = {"model": "tiny-run", "prompt": "Once", "max_tokens": 60, "temperature": 0, "stream": True}
+    connection = connect(slow_server.url)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Authorization": "Bearer sesame"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")
+    assert slow_server.engine.active_count == 1
+    connection.close()
+    # 60 tokens at 20 ms each would take over a second; the place is free within a few steps.
+    assert idle_after(slow_server.engine, 1.0) < 0.3
+    ok = slow_server.client.completions.create(model="tiny-run", prompt="A", max_tokens=2)
+    assert ok.choices
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_place(slow_server) -> None:
+    body = {"model": "tiny-run", "prompt": "Once", "max_tokens": 60, "temperature": 0}
+    connection = connect(slow_server.url, timeout=0.3)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Authorization": "Bearer sesame"})
+    with pytest.raises(TimeoutError):
+        connection.getresponse()
+    assert slow_server.engine.active_count == 1
+    connection.close()
+    assert idle_after(slow_server.engine, 1.0) < 0.3
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_command_serves_and_sigterm_stops_it_cleanly(tmp_path) -> None:
+    """The command line: it prints the URLs, serves, and on SIGTERM fails the request in flight and exits."""
+    tokenizer = small_tokenizer()
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size, context_length=1024, d_model=64, num_layers=2, num_heads=4
+    )
+    run = make_run(tmp_path / "medium", scratch_model(config), tokenizer)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scratchlm",
+            "serve",
+            "--run",
+            str(run),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if request(url, "GET", "/info").status_code == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        body = {"model": "medium", "prompt": "Once", "max_tokens": 1000, "temperature": 1.0, "stream": True}
+        events = []
+        connection = connect(url)
+        connection.request("POST", "/v1/completions", json.dumps(body))
+        response = connection.getresponse()
+        for line in response:  # ends when the server closes the stream
+            if line.startswith(b"data: "):
+                events.append(line.decode().removeprefix("data: ").strip())
+                if len(events) == 2:
+                    process.send_signal(signal.SIGTERM)
+        connection.close()
+        assert process.wait(TIMEOUT) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = process.stdout.read()
+    assert f"{url}/" in output and f"{url}/v1" in output
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "shutting down" in error["message"]
+    assert len(events) < 1000  # it stopped early
+
+
+def test_the_command_says_what_to_install_without_the_extra(run_dir, monkeypatch, capsys) -> None:
+    from scratchlm.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` now fails, as when it is absent
+    monkeypatch.delitem(sys.modules, "scratchlm.serving.server")
+    assert main(["serve", "--run", str(run_dir)]) == 2
+    captured = capsys.readouterr()
+    message = captured.out + captured.err
+    assert "pip install 'scratchlm[serve]'" in message and "uvicorn" in message
+
+
+def chromium_driver(width: int = 420, height: int = 860):
+    """Headless Chromium through Selenium and chromium-driver (Debian's packages; nothing is downloaded)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("chromium not installed (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={width},{height}"):
+        options.add_argument(argument)
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+
+
+def test_the_page_streams_a_completion_in_chromium(server) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = chromium_driver()
+    try:
+        browser.set_page_load_timeout(TIMEOUT)
+        browser.get(f"{server.url}/")
+        wait = WebDriverWait(browser, TIMEOUT)
+        wait.until(lambda b: "parameters" in b.find_element(By.ID, "model").text)
+        assert "tiny-run" in browser.find_element(By.ID, "model").text
+        prompt = browser.find_element(By.ID, "prompt")
+        prompt.clear()
+        prompt.send_keys("The cat sat")
+        for field, value in (("max-tokens", "30"), ("temperature", "0")):
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
+        browser.find_element(By.ID, "generate").click()
+        wait.until(
+            lambda b: (
+                "tokens/s" in b.find_element(By.ID, "status").text
+                and "stopped" in b.find_element(By.ID, "status").text
+            )
+        )
+        shown = browser.find_element(By.ID, "completion").get_attribute("textContent")
+        expected = server.tokenizer.decode(server.expected("The cat sat", 30, temperature=0))
+        assert shown == expected and shown
+        assert browser.find_element(By.ID, "prompt-echo").get_attribute("textContent") == "The cat sat"
+        # Nothing but the server's own files was requested.
+        urls = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert urls and all(url.startswith(server.url) for url in urls)
+    finally:
+        browser.quit()
