@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, inference_precision, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, inference_plan, load_model_source
 
 HELP = "Evaluate a trained model on a whole token file (.npy): loss and perplexity."
 
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.training.evaluate import evaluate
 
     model = load_model_source(args).model
-    precision = inference_precision(args, next(model.parameters()).device)
+    precision = inference_plan(args, next(model.parameters()).device).precision.value
     tokens = load_tokens(args.data, model.config.vocab_size, 1)
     start = time.perf_counter()
     result = evaluate(

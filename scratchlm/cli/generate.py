@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, inference_precision, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, inference_plan, load_model_source
 
 HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> None:
     if tokenizer is None:
         raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
     device = next(model.parameters()).device
-    precision = inference_precision(args, device)
+    precision = inference_plan(args, device).precision.value
     eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:

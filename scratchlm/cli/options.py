@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from scratchlm.device import Plan
     from scratchlm.run.load import TrainedModel
 
 
@@ -36,18 +37,17 @@ def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def inference_precision(args: argparse.Namespace, device: torch.device) -> str:
-    """The precision `--precision` resolves to on `device` (scratchlm.device.choices), with a warning printed
-    for an explicit bf16 that is slow here."""
+def inference_plan(args: argparse.Namespace, device: torch.device) -> Plan:
+    """What runs the model on `device` (scratchlm.device.choices): `--precision` resolved, and the CPU
+    thread count applied; a warning is printed for an explicit bf16 that is slow here."""
     from scratchlm.console import console
-    from scratchlm.device import device_profile, resolve_precision
+    from scratchlm.device import apply_threads, plan
 
-    choice, warnings = resolve_precision(args.precision, device_profile(device))
-    for warning in warnings:
-        console.print(
-            f"warning: {warning.replace('training.precision', '--precision')}", style="yellow", markup=False
-        )
-    return choice.value
+    choices = plan(device, args.precision)
+    apply_threads(choices.threads.value)
+    for warning in choices.warnings:
+        console.print(f"warning: {warning.replace('training.precision', '--precision')}", style="yellow")
+    return choices
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scratchlm.cli.options import add_model_source_arguments, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, inference_plan, load_model_source
 
 HELP = "Serve a trained model: an OpenAI-compatible completions API and a web page, with batched generation."
 
@@ -63,7 +63,15 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = trained.tokenizer
     eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
     name = model_name(args.run, trained.checkpoint)
-    engine = Engine(trained.model, eos_id, max_batch=args.max_batch, max_queue=args.max_queue)
+    choices = inference_plan(args, next(trained.model.parameters()).device)
+    console.print(choices.summary(), markup=False)
+    engine = Engine(
+        trained.model,
+        eos_id,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        precision=choices.precision.value,
+    )
     server = build_server(engine, tokenizer, name, args.host, args.port, args.api_key)
     engine.start()
     try:

@@ -36,6 +36,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from scratchlm.device import autocast
 from scratchlm.generation.sampling import draw, next_token_probs, sample_next_token
 from scratchlm.model.kv_cache import PaddedKVCache
 from scratchlm.model.transformer import TransformerLM
@@ -129,8 +130,16 @@ def token_logprobs(logits: Float[Tensor, "... vocab"], token_ids: Tensor, top: i
 class Engine:
     """Runs `model` for the sequences of every request, `max_batch` at a time, `max_queue` more waiting."""
 
-    def __init__(self, model: TransformerLM, eos_id: int | None, max_batch: int = 16, max_queue: int = 64):
-        self.model, self.eos_id = model, eos_id
+    def __init__(
+        self,
+        model: TransformerLM,
+        eos_id: int | None,
+        max_batch: int = 16,
+        max_queue: int = 64,
+        precision: str = "fp32",
+    ):
+        """`precision` is a resolved one (scratchlm.device.choices): "bf16" runs the model under autocast."""
+        self.model, self.eos_id, self.precision = model, eos_id, precision
         self.max_batch, self.max_queue = max_batch, max_queue
         config = model.config
         parameter = next(model.parameters())
@@ -198,7 +207,8 @@ class Engine:
                 self._pending.remove(sequence)
 
     def _run(self) -> None:
-        with torch.inference_mode():
+        # Autocast is per thread: it is entered here, in the thread that runs the model.
+        with torch.inference_mode(), autocast(self.device, self.precision):
             while True:
                 with self._lock:
                     while self._stopping is None and not self._pending and not self._active:
