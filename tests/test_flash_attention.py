@@ -16,7 +16,7 @@ except ImportError:
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.kernels import flash_attention
-from scratchlm.kernels.flash_attention import INTERPRETED
+from scratchlm.kernels.flash import INTERPRETED
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: (atol, rtol) against float64: products of bfloat16/float16 operands, accumulated in float32, and the
@@ -130,6 +130,22 @@ def test_compiles_without_graph_breaks():
     expected = torch.autograd.grad(reference_attention(*exact, True).square().sum(), exact)
     for grad, grad_expected in zip(grads, expected, strict=True):
         torch.testing.assert_close(grad.double(), grad_expected, atol=2e-5, rtol=2e-5)
+
+
+def test_custom_ops_pass_torch_library_checks():
+    # Fake (meta) implementations that match the real outputs' shapes, dtypes and strides, for strided inputs
+    # too, and a backward that autograd and torch.compile can both call.
+    from scratchlm.kernels.flash import _backward_op, _forward_op
+
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 7, 4, 16, generator=generator).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(1, 2, 7, 16, generator=generator).to(DEVICE) for _ in range(2))
+    out, lse = _forward_op(q, k, v, True, 0.25)
+    torch.library.opcheck(_forward_op, (q, k, v, True, 0.25))
+    torch.library.opcheck(
+        _backward_op,
+        (torch.randn_like(out).transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out, lse, True, 0.25),
+    )
 
 
 def x(*shape, dtype=torch.float32):

@@ -3,6 +3,6 @@
 Importing this package needs Triton (`pip install triton`; it installs on CPU-only machines too, where the
 kernels run under its interpreter with `TRITON_INTERPRET=1`)."""
 
-from scratchlm.kernels.flash_attention import flash_attention
+from scratchlm.kernels.flash import flash_attention
 
 __all__ = ["flash_attention"]

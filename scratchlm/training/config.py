@@ -382,7 +382,7 @@ def to_toml(values: dict[str, dict[str, Any]]) -> str:
 
 
 # Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where
-# and how fast it runs, and how often it evaluates, checkpoints and logs (and init_from, which only a new run
+# and how fast it runs (model.attention included), and how often it evaluates, checkpoints and logs (and init_from, which only a new run
 # reads). Every other key shapes what the run computes, so a silent change would make one run of two
 # different experiments.
 CHANGEABLE_ON_RESUME = (
@@ -391,6 +391,7 @@ CHANGEABLE_ON_RESUME = (
     "training.max_time_s",
     "training.device",
     "training.compile",
+    "model.attention",
     "training.init_from",
     "eval.interval",
     "eval.iters",

@@ -45,7 +45,7 @@ from scratchlm.console import console, format_seconds
 from scratchlm.device import resolve_device
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import COMPUTATION_FIELDS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import TOKENIZER_DIR, find_checkpoint
@@ -296,7 +296,7 @@ class _Run:
         differing = [
             f"model.{name} = {getattr(ours, name)!r}, theirs {getattr(theirs, name)!r}"
             for name in ours.to_dict() | theirs.to_dict()
-            if getattr(ours, name) != getattr(theirs, name)
+            if getattr(ours, name) != getattr(theirs, name) and name not in COMPUTATION_FIELDS
         ]
         if differing:
             raise ScratchlmError(

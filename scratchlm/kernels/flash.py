@@ -309,7 +309,8 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> 
 
 @_forward_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # Contiguous, as the op's outputs are, whatever the inputs' strides.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("scratchlm::flash_attention_backward", mutates_args=())
@@ -342,7 +343,7 @@ def _backward_op(
 def _(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class FlashAttention(torch.autograd.Function):
