@@ -83,6 +83,8 @@ class TrainingConfig:
     device: str = "auto"  # auto: cuda, then mps, then cpu
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the matmuls, float32 weights
     compile: bool = False  # torch.compile the model
+    # LM head + loss over chunks of tokens, never the whole (tokens × vocab) logits; auto: on a CUDA device
+    fused_loss: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
 
@@ -391,6 +393,7 @@ CHANGEABLE_ON_RESUME = (
     "training.max_time_s",
     "training.device",
     "training.compile",
+    "training.fused_loss",
     "model.attention",
     "training.init_from",
     "eval.interval",
