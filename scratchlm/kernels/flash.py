@@ -78,6 +78,13 @@ def _dot(a, b, FP32_DOTS: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(base, rows, stride, num_rows, offs_d, head_dim):
+    """Rows `rows` of a (num_rows, head_dim) matrix at `base` with row stride `stride`, zeros past its ends."""
+    mask = (rows < num_rows)[:, None] & (offs_d < head_dim)[None, :]
+    return tl.load(base + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, OUT, LSE,
     stride_qb, stride_qh, stride_qs,
@@ -95,13 +102,7 @@ def _forward_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < head_dim
-    q_ok = (offs_m < seq_q)[:, None] & d_ok[None, :]
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-        mask=q_ok,
-        other=0.0,
-    )
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qs, seq_q, offs_d, head_dim)
     k_base = K + b * stride_kb + kv * stride_kh
     v_base = V + b * stride_vb + kv * stride_vh
 
@@ -114,9 +115,8 @@ def _forward_kernel(
         hi = tl.minimum(seq_k, offset + (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_ok = (cols < seq_k)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = _load_rows(k_base, cols, stride_ks, seq_k, offs_d, head_dim)
+        v = _load_rows(v_base, cols, stride_vs, seq_k, offs_d, head_dim)
         s = _dot(q, tl.trans(k), FP32_DOTS, IEEE) * scale_log2
         # Rows past seq_q are left unmasked (never stored): masking them whole would make m = -inf and NaNs.
         visible = (cols < seq_k)[None, :]
@@ -134,7 +134,7 @@ def _forward_kernel(
     tl.store(
         OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
         out.to(OUT.dtype.element_ty),
-        mask=q_ok,
+        mask=(offs_m < seq_q)[:, None] & (offs_d < head_dim)[None, :],
     )
     tl.store(LSE + bh * seq_q + offs_m, m + tl.log2(row_sum), mask=offs_m < seq_q)
 
@@ -169,18 +169,8 @@ def _backward_kv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < head_dim
-    kv_ok = (offs_n < seq_k)[:, None] & d_ok[None, :]
-    k = tl.load(
-        K + b * stride_kb + kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-        mask=kv_ok,
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * stride_vb + kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-        mask=kv_ok,
-        other=0.0,
-    )
+    k = _load_rows(K + b * stride_kb + kv * stride_kh, offs_n, stride_ks, seq_k, offs_d, head_dim)
+    v = _load_rows(V + b * stride_vb + kv * stride_vh, offs_n, stride_vs, seq_k, offs_d, head_dim)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
@@ -195,9 +185,8 @@ def _backward_kv_kernel(
         row_base = (b * heads + h) * seq_q
         for start_m in range(lo, seq_q, BLOCK_M):
             rows = start_m + offs_m
-            q_ok = (rows < seq_q)[:, None] & d_ok[None, :]
-            q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :], mask=q_ok, other=0.0)
-            do = tl.load(do_base + rows[:, None] * stride_dos + offs_d[None, :], mask=q_ok, other=0.0)
+            q = _load_rows(q_base, rows, stride_qs, seq_q, offs_d, head_dim)
+            do = _load_rows(do_base, rows, stride_dos, seq_q, offs_d, head_dim)
             lse = tl.load(LSE + row_base + rows, mask=rows < seq_q, other=0.0)
             delta = tl.load(DELTA + row_base + rows, mask=rows < seq_q, other=0.0)
             p = _probabilities(
@@ -209,6 +198,7 @@ def _backward_kv_kernel(
             dk += _dot(tl.trans(ds.to(q.dtype)), q, FP32_DOTS, IEEE)
 
     out = bkv * seq_k * head_dim + offs_n[:, None] * head_dim + offs_d[None, :]  # dK, dV: contiguous
+    kv_ok = (offs_n < seq_k)[:, None] & (offs_d < head_dim)[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
@@ -232,16 +222,8 @@ def _backward_q_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < head_dim
-    q_ok = (rows < seq_q)[:, None] & d_ok[None, :]
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + offs_d[None, :], mask=q_ok, other=0.0
-    )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dos + offs_d[None, :],
-        mask=q_ok,
-        other=0.0,
-    )
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qs, seq_q, offs_d, head_dim)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, stride_dos, seq_q, offs_d, head_dim)
     lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
     delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
     k_base = K + b * stride_kb + kv * stride_kh
@@ -254,15 +236,15 @@ def _backward_q_kernel(
         hi = tl.minimum(seq_k, offset + (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_ok = (cols < seq_k)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = _load_rows(k_base, cols, stride_ks, seq_k, offs_d, head_dim)
+        v = _load_rows(v_base, cols, stride_vs, seq_k, offs_d, head_dim)
         p = _probabilities(q, k, lse, rows, cols, offset, seq_q, seq_k, scale_log2, CAUSAL, FP32_DOTS, IEEE)
         dp = _dot(do, tl.trans(v), FP32_DOTS, IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, FP32_DOTS, IEEE)
 
     out = bh * seq_q * head_dim + rows[:, None] * head_dim + offs_d[None, :]  # dQ: contiguous
+    q_ok = (rows < seq_q)[:, None] & (offs_d < head_dim)[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
 
 
