@@ -3,6 +3,10 @@
 The tests run tiny models, in two processes at once under pytest-xdist: one intra-op thread per process is
 the fastest, while several threads per process on a 2-core machine mostly wait for each other. The variable
 also reaches the processes that tests start (torchrun, the CLI).
+
+Without a CUDA device, Triton's kernels (`scratchlm.kernels`) run under its CPU interpreter. Triton reads
+`TRITON_INTERPRET` when a kernel is defined, i.e. when `scratchlm.kernels` is first imported, so it is set
+here, before any test module is collected.
 """
 
 import os
@@ -18,3 +22,6 @@ torch.set_num_threads(1)
 os.environ.setdefault(
     "SCRATCHLM_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(), "scratchlm-test-cache")
 )
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"

@@ -283,3 +283,14 @@ def test_the_run_keeps_its_tokenizer_and_a_resume_cannot_swap_it(tmp_path):
     swapped = config.replace(data={"tokenizer": str(tmp_path / "tok-b")}, training={"max_steps": 8})
     with pytest.raises(ScratchlmError, match="is not the tokenizer this run was trained with"):
         train(swapped, resume=True)
+
+
+def test_the_fused_head_and_loss_trains_as_the_unfused_path(tmp_path):
+    for fused in ("on", "off"):
+        changes = {"training": {"batch_size": 8, "max_steps": 6, "device": "cpu", "fused_loss": fused}}
+        train(small_config(tmp_path, fused, eval={"interval": 0, "iters": 1}, **changes))
+    fused_losses, losses = (
+        [r["train_loss"] for r in records(tmp_path / run, "train_loss")] for run in ("on", "off")
+    )
+    assert len(losses) == 6
+    np.testing.assert_allclose(fused_losses, losses, rtol=1e-5)

@@ -35,7 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import COMPUTATION_FIELDS, ModelConfig
 
 INSTALL_HINT = 'pip install "scratchlm[hf]"'
 
@@ -103,7 +103,7 @@ def llama_departures(config: ModelConfig) -> dict[str, Any]:
     """The fields of `config` whose values the Llama architecture does not have."""
     departures = {}
     for f in dataclasses.fields(config):
-        if f.name in SHAPE_FIELDS or f.name in INIT_ONLY_FIELDS:
+        if f.name in SHAPE_FIELDS or f.name in INIT_ONLY_FIELDS or f.name in COMPUTATION_FIELDS:
             continue
         expected = LLAMA_VALUES.get(f.name, f.default)
         if getattr(config, f.name) != expected:

@@ -12,6 +12,11 @@ output projections of attention and feed-forward start at zero, so every block s
 `logit_softcap` (logits `c · tanh(z / c)`, bounded by ±c), `value_embeddings` (token embeddings of their
 own added to the attention values of the first and last blocks) and `unet_skips` (each block of the second
 half also reads the output of its mirror image in the first half).
+
+`attention` chooses how attention is computed, not what: "triton" is the FlashAttention-2 kernel of
+`scratchlm.kernels`, "torch" the blocked implementation written from tensor operations
+(`scratchlm.model.layers.causal_attention`), and "auto" (default) the kernel for tensors on a CUDA device when
+Triton imports, the blocked implementation elsewhere. It leaves the weights, the state dict and export alone.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from scratchlm.errors import ScratchlmError
 NORMS = ("pre", "post", "none")
 POSITIONS = ("rope", "none")
 FFNS = ("swiglu", "silu", "relu2")
+ATTENTIONS = ("auto", "triton", "torch")
+#: Fields that choose how the model's function is computed, not what it is (export and init_from ignore them).
+COMPUTATION_FIELDS = frozenset({"attention"})
 
 
 def default_d_ff(d_model: int, ffn: str = "swiglu") -> int:
@@ -54,6 +62,7 @@ class ModelConfig:
     logit_softcap: float = 0.0  # c > 0: logits c · tanh(z / c); 0: off
     value_embeddings: int = 0  # n tables; block i and block num_layers - n + i add table i to their values
     unet_skips: bool = False  # block num_layers - 1 - i also reads block i's output (i < num_layers // 2)
+    attention: Literal["auto", "triton", "torch"] = "auto"  # how attention is computed (not what)
 
     def __post_init__(self) -> None:
         if self.d_ff is None:
@@ -80,7 +89,12 @@ class ModelConfig:
             )
         if not self.rope_theta > 0:
             raise ScratchlmError(f"model.rope_theta must be positive, got {self.rope_theta!r}")
-        for name, allowed in (("norm", NORMS), ("positions", POSITIONS), ("ffn", FFNS)):
+        for name, allowed in (
+            ("norm", NORMS),
+            ("positions", POSITIONS),
+            ("ffn", FFNS),
+            ("attention", ATTENTIONS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ScratchlmError(
                     f"model.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
@@ -134,11 +148,13 @@ class ModelConfig:
         return train_step_flops(self, batch_size=1) // self.context_length
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; `num_kv_heads` only under grouped-query attention, so that other configs read and write
-        exactly as before it existed."""
+        """The fields; `num_kv_heads` only under grouped-query attention and `attention` only when not "auto",
+        so that other configs read and write exactly as before they existed."""
         values = dataclasses.asdict(self)
         if self.num_kv_heads is None:
             del values["num_kv_heads"]
+        if self.attention == "auto":
+            del values["attention"]
         return values
 
     @classmethod

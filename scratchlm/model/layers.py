@@ -379,6 +379,16 @@ def position_encoding(config: ModelConfig, device: Device = None) -> nn.Module:
     return NoPositionEncoding()
 
 
+def triton_attention() -> Any:
+    """`scratchlm.kernels.flash_attention`, or None where Triton does not import. Imported on first use, so
+    that a model on the CPU never loads Triton."""
+    try:
+        from scratchlm.kernels import flash_attention
+    except ImportError:
+        return None
+    return flash_attention
+
+
 class MultiHeadSelfAttention(nn.Module):
     """Causal multi-head self-attention: project to queries, keys and values, split `d_model` into
     `num_heads` heads of `d_k = d_model / num_heads` that attend independently (as one more batch
@@ -393,6 +403,11 @@ class MultiHeadSelfAttention(nn.Module):
     appended to the cached ones (a sliding window of at most `context_length` tokens), and they attend to the
     whole window and causally among themselves. Positions are counted from the window's start; RoPE scores
     depend only on distances, so this equals rotating by absolute positions.
+
+    `config.attention` picks the computation: the FlashAttention-2 Triton kernel (`scratchlm.kernels`; on a
+    CUDA device, with or without a KV cache) or `causal_attention` (anywhere). "auto" takes the kernel for
+    CUDA tensors when Triton imports; "triton" insists on it, and on a CPU fails with a clear message unless
+    Triton's interpreter is on (`TRITON_INTERPRET=1`, slow, for tests).
     """
 
     def __init__(
@@ -427,6 +442,7 @@ class MultiHeadSelfAttention(nn.Module):
 
     def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
         self.d_model, self.num_heads, self.num_kv_heads = config.d_model, config.num_heads, config.kv_heads
+        self.attention = config.attention
         kv_dim = config.kv_heads * config.head_dim
         self.q_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
         self.k_proj = Linear(config.d_model, kv_dim, device=device, dtype=dtype)
@@ -437,6 +453,21 @@ class MultiHeadSelfAttention(nn.Module):
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
         self.q_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
+
+    def _uses_kernel(self, q: Tensor) -> bool:
+        """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a
+        CUDA device and Triton importable. Decided per call, from where the tensors are."""
+        if self.attention == "auto":
+            return q.is_cuda and triton_attention() is not None
+        return self.attention == "triton"
+
+    def _kernel(self) -> Any:
+        kernel = triton_attention()
+        if kernel is None:
+            raise ScratchlmError(
+                'model.attention = "triton" needs Triton, which is not installed (pip install triton)'
+            )
+        return kernel
 
     def forward(
         self,
@@ -476,6 +507,15 @@ class MultiHeadSelfAttention(nn.Module):
         else:
             positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
             q, k = self.positions(q, positions), self.positions(k, positions)
+
+        if mask is None and self._uses_kernel(q):  # the kernel is causal; a padded cache's mask is not
+            # (... heads seq d_k) as the kernel's (batch heads seq d_k); it reads each key/value head for its
+            # whole group of query heads, and with a KV cache the queries are the window's last positions.
+            lead = q.shape[:-3]
+            heads = self._kernel()(
+                q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:]), v.reshape(-1, *v.shape[-3:])
+            ).reshape(*lead, *q.shape[-3:])
+            return self.output_proj(rearrange(heads, "... heads seq d_k -> ... seq (heads d_k)"))
 
         group = self.num_heads // self.num_kv_heads
         if group > 1:

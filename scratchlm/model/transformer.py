@@ -47,6 +47,7 @@ from scratchlm.model.layers import (
     build_from_config,
     feed_forward,
 )
+from scratchlm.training.loss import fused_linear_cross_entropy
 
 
 class TransformerBlock(nn.Module):
@@ -192,8 +193,14 @@ class TransformerLM(nn.Module):
             self.token_embeddings.weight = self.lm_head.weight
 
     def forward(
-        self, token_ids: Int[Tensor, "... seq"], kv_cache: KVCache | PaddedKVCache | None = None
-    ) -> Float[Tensor, "... seq vocab_size"]:
+        self,
+        token_ids: Int[Tensor, "... seq"],
+        kv_cache: KVCache | PaddedKVCache | None = None,
+        targets: Int[Tensor, "... seq"] | None = None,
+    ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
+        """The logits; with `targets`, instead, the mean cross-entropy loss of predicting them, computed with
+        the LM head over chunks of tokens so that the logits never exist whole
+        (`scratchlm.training.loss.fused_linear_cross_entropy`; equal to `cross_entropy(model(ids), targets)`)."""
         seq = token_ids.shape[-1]
         if seq > self.config.context_length:
             raise ScratchlmError(
@@ -221,15 +228,16 @@ class TransformerLM(nn.Module):
                 skips.append(x)
         if self.ln_final is not None:
             x = self.ln_final(x)
+        if kv_cache is not None:
+            kv_cache.advance(seq)
+        if targets is not None:
+            return fused_linear_cross_entropy(x, self.lm_head.weight, targets, self.config.logit_softcap)
         logits = self.lm_head(x)
         if self.config.logit_softcap:
             # In at least float32 (tanh in bfloat16 would round most logits): about the identity for |z| << c
             # and bounded by ±c, so no logit can run away from the others.
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(_at_least_float32(logits) / cap)
-
-        if kv_cache is not None:
-            kv_cache.advance(seq)
         return logits
 
     def new_kv_cache(self, batch_size: int) -> KVCache:

@@ -86,6 +86,8 @@ class TrainingConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     threads: int = 0  # CPU threads; 0: the usable cores other processes leave free (scratchlm.device.choices)
     compile: bool = False  # torch.compile the model
+    # LM head + loss over chunks of tokens, never the whole (tokens × vocab) logits; auto: on a CUDA device
+    fused_loss: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
 
@@ -405,7 +407,7 @@ def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = No
 
 
 # Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where
-# and how fast it runs, and how often it evaluates, checkpoints and logs (and init_from, which only a new run
+# and how fast it runs (model.attention included), and how often it evaluates, checkpoints and logs (and init_from, which only a new run
 # reads). Every other key shapes what the run computes, so a silent change would make one run of two
 # different experiments.
 CHANGEABLE_ON_RESUME = (
@@ -416,6 +418,8 @@ CHANGEABLE_ON_RESUME = (
     "training.precision",
     "training.threads",
     "training.compile",
+    "training.fused_loss",
+    "model.attention",
     "training.init_from",
     "eval.interval",
     "eval.iters",

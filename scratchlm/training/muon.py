@@ -161,6 +161,7 @@ class Muon(torch.optim.Optimizer):
             orthogonal = newton_schulz(
                 torch.stack([directions[i] for i in indices]), group["ns_steps"], dtype
             )
-            for i, update in zip(indices, orthogonal.unbind(0), strict=True):
-                rows, cols = params[i].shape
-                params[i].add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+            rows, cols = params[indices[0]].shape  # one shape per batch, so one step size
+            torch._foreach_add_(
+                [params[i] for i in indices], orthogonal.unbind(0), alpha=-lr * max(1.0, rows / cols) ** 0.5
+            )
