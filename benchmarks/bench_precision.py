@@ -9,7 +9,8 @@ machine load. The target: "auto" is never more than 1.5x slower than the faster 
     python benchmarks/bench_precision.py --compile       # compiled (adds a compilation per precision)
     python benchmarks/bench_precision.py --device cuda
 
-A bf16 step on a CPU without native bf16 takes seconds; each precision is timed for at least `--seconds`.
+A bf16 step on a CPU without native bf16 takes seconds; each precision is timed for at least `--seconds` (and
+two steps) in each of `--rounds` turns.
 """
 
 from __future__ import annotations
@@ -37,34 +38,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(recipe: str, precision: str, device: torch.device, compile_: bool, seconds: float) -> float:
-    """Median seconds per training step of the quickstart's `recipe` model in `precision` (random tokens)."""
-    data = PreparedData(Path("unused"), Path("unused"), Path("unused"))
-    config = train_config(FULL, data, Path("unused"), 0.0, str(device), 1, recipe)
-    torch.manual_seed(0)
-    model = TransformerLM.from_config(config.model, device=device)
-    forward = torch.compile(model) if compile_ else model
-    optimizer = build_optimizer(config.optimizer, model, precision=precision)
-    batch, context = config.training.batch_size, config.model.context_length
-    ids = torch.randint(0, config.model.vocab_size, (batch, context + 1), device=device)
+class Trainer:
+    """The quickstart's `recipe` model and optimizer, stepping in `precision` (random tokens)."""
 
-    def step() -> None:
-        with autocast(device, precision):
-            loss = cross_entropy(forward(ids[:, :-1]), ids[:, 1:])
+    def __init__(self, recipe: str, precision: str, device: torch.device, compile_: bool) -> None:
+        data = PreparedData(Path("unused"), Path("unused"), Path("unused"))
+        config = train_config(FULL, data, Path("unused"), 0.0, str(device), 1, recipe)
+        torch.manual_seed(0)
+        self.model = TransformerLM.from_config(config.model, device=device)
+        self.forward = torch.compile(self.model) if compile_ else self.model
+        self.optimizer = build_optimizer(config.optimizer, self.model, precision=precision)
+        batch, context = config.training.batch_size, config.model.context_length
+        self.ids = torch.randint(0, config.model.vocab_size, (batch, context + 1), device=device)
+        self.precision, self.device = precision, device
+        self.step()  # warm-up (and compilation)
+
+    def step(self) -> None:
+        with autocast(self.device, self.precision):
+            loss = cross_entropy(self.forward(self.ids[:, :-1]), self.ids[:, 1:])
         loss.backward()
-        clip_grad_norm(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        clip_grad_norm(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up (and compilation)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 50):
-        begin = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - begin)
-    return float(np.median(times))
+    def seconds_per_step(self, seconds: float) -> float:
+        """Median seconds per step over at least `seconds` (and at least 2 steps)."""
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < 2 or (time.perf_counter() - start < seconds and len(times) < 50):
+            begin = time.perf_counter()
+            self.step()
+            sync(self.device)
+            times.append(time.perf_counter() - begin)
+        return float(np.median(times))
 
 
 def main() -> None:
@@ -72,7 +78,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--compile", action="store_true", help="torch.compile each model")
-    parser.add_argument("--seconds", type=float, default=10.0, help="time each precision at least this long")
+    parser.add_argument("--seconds", type=float, default=5.0, help="time each precision at least this long")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of fp32, bf16 and auto (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -85,10 +92,15 @@ def main() -> None:
     rows = []
     print(f"{'recipe':<7} {'fp32 ms':>9} {'bf16 ms':>9} {'auto':>5} {'auto ms':>9} {'auto / best':>12}")
     for recipe in args.recipes:
-        ms = {p: 1e3 * step_seconds(recipe, p, device, args.compile, args.seconds) for p in ("fp32", "bf16")}
         picked = choices.precision.value
-        # "auto" is one of the two: time it again, in its turn, rather than reuse the figure above.
-        ms["auto"] = 1e3 * step_seconds(recipe, picked, device, args.compile, args.seconds)
+        trainers = {name: Trainer(recipe, name, device, args.compile) for name in ("fp32", "bf16")}
+        trainers["auto"] = Trainer(recipe, picked, device, args.compile)  # its own model, timed in its turn
+        # In turns, so that every precision sees the same machine load; the median of the rounds.
+        rounds: dict[str, list[float]] = {name: [] for name in trainers}
+        for _ in range(args.rounds):
+            for name, trainer in trainers.items():
+                rounds[name].append(1e3 * trainer.seconds_per_step(args.seconds))
+        ms = {name: float(np.median(values)) for name, values in rounds.items()}
         slowdown = ms["auto"] / min(ms["fp32"], ms["bf16"])
         rows.append(
             {"recipe": recipe, "auto": picked, "slowdown": slowdown, **{f"{k}_ms": v for k, v in ms.items()}}
