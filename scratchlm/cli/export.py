@@ -16,7 +16,7 @@ HELP = "Export a trained model for Hugging Face transformers (--format hf) or ll
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_source_arguments(parser)
+    add_model_source_arguments(parser, tokenizer=True, precision=False)
     parser.add_argument(
         "--format", required=True, choices=("hf", "gguf"), help="hf: a directory; gguf: a file"
     )
@@ -25,9 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=("f32", "f16", "bf16"), default="f32", help="weights' precision (default f32)"
-    )
-    parser.add_argument(
-        "--tokenizer", metavar="DIR", help="tokenizer directory (default: the one the run trained with)"
     )
 
 
@@ -40,7 +37,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         from scratchlm.interop.gguf import export_gguf as export
 
-    trained = load_model_source(args, tokenizer=args.tokenizer)
+    trained = load_model_source(args)
     result = export(trained, args.out, args.dtype)
     architecture = result.architecture
     if architecture is not LLAMA:

@@ -16,7 +16,7 @@ HELP = "Generate text from a trained model (a run directory or a checkpoint), st
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_source_arguments(parser)
+    add_model_source_arguments(parser, tokenizer=True)
     parser.add_argument(
         "--prompt", default="", help="text to continue (default: none, i.e. start a new document)"
     )
@@ -32,11 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only")
     parser.add_argument("--seed", type=int, default=None, help="random seed, for reproducible samples")
     parser.add_argument("--num-samples", type=int, default=1, help="how many samples to draw (default 1)")
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="tokenizer directory (default: the one recorded in the training config)",
-    )
     parser.add_argument(
         "--no-cache",
         action="store_true",
@@ -64,10 +59,8 @@ def run(args: argparse.Namespace) -> None:
         raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise ScratchlmError(f"--max-new-tokens must be at least 0, got {args.max_new_tokens}")
-    trained = load_model_source(args, tokenizer=args.tokenizer)
+    trained = load_model_source(args, require_tokenizer=True)
     model, tokenizer = trained.model, trained.tokenizer
-    if tokenizer is None:
-        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
     device = next(model.parameters()).device
     precision = inference_plan(args, device).precision.value
     eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None

@@ -23,12 +23,23 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--run DIR` or `--checkpoint FILE` (exactly one), `--device` and `--precision`."""
+def add_model_source_arguments(
+    parser: argparse.ArgumentParser, tokenizer: bool = False, precision: bool = True
+) -> None:
+    """`--run DIR` or `--checkpoint FILE` (exactly one) and `--device`; `--tokenizer DIR` for the commands
+    that turn text into ids and back (`tokenizer`); `--precision` for those that run the model."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
     source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
+    if tokenizer:
+        parser.add_argument(
+            "--tokenizer",
+            metavar="DIR",
+            help="tokenizer directory (default: the run's own, else the one recorded in the training config)",
+        )
     add_device_argument(parser)
+    if not precision:
+        return
     parser.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16"),
@@ -75,9 +86,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -
     )
 
 
-def load_model_source(args: argparse.Namespace, tokenizer: str | None = None) -> TrainedModel:
-    """The model `--run` or `--checkpoint` names, on `--device`, with its tokenizer (`tokenizer`, else the
-    run's own; see `scratchlm.run.load_trained`)."""
+def load_model_source(args: argparse.Namespace, require_tokenizer: bool = False) -> TrainedModel:
+    """The model `--run` or `--checkpoint` names, on `--device`, with its tokenizer (`--tokenizer` where the
+    command has it, else the run's own; see `scratchlm.run.load_trained`), one-line error when
+    `require_tokenizer` and there is none."""
     from scratchlm.device import resolve_device
     from scratchlm.errors import ScratchlmError
     from scratchlm.run.load import load_trained
@@ -89,4 +101,9 @@ def load_model_source(args: argparse.Namespace, tokenizer: str | None = None) ->
         what = "is not a file" if Path(args.checkpoint).exists() else "not found"
         raise ScratchlmError(f"checkpoint {args.checkpoint} {what} (--checkpoint takes a .pt file)")
     device = resolve_device(args.device)
-    return load_trained(args.run or args.checkpoint, device=device, tokenizer=tokenizer)
+    trained = load_trained(
+        args.run or args.checkpoint, device=device, tokenizer=getattr(args, "tokenizer", None)
+    )
+    if require_tokenizer and trained.tokenizer is None:
+        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    return trained

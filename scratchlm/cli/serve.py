@@ -16,7 +16,7 @@ HELP = "Serve a trained model: an OpenAI-compatible completions API and a web pa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_source_arguments(parser)
+    add_model_source_arguments(parser, tokenizer=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument(
@@ -30,11 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=64,
         help="sequences waiting for the batch at most; more are refused with 429 (default 64)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="tokenizer directory (default: the one recorded in the training config)",
     )
 
 
@@ -57,9 +52,7 @@ def run(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.port <= 65535:
         raise ScratchlmError(f"--port must be in 0..65535, got {args.port}")
-    trained = load_model_source(args, tokenizer=args.tokenizer)
-    if trained.tokenizer is None:
-        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    trained = load_model_source(args, require_tokenizer=True)
     tokenizer = trained.tokenizer
     eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
     name = model_name(args.run, trained.checkpoint)
