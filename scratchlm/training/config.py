@@ -79,7 +79,9 @@ class TrainingConfig:
     grad_accum: int = 1  # micro-batches per step (each process)
     max_steps: int = 0  # steps to train; 0: derived from max_tokens
     max_tokens: int = 0  # or a token budget: steps = ceil(max_tokens / (batch_size * context_length))
-    max_time_s: float = 0.0  # wall-clock budget in seconds; 0: none
+    # wall-clock budget in seconds (0: none): the schedule is sized to the steps that fit, measured on the
+    # machine, max_steps / max_tokens (when set) being the most it may have (scratchlm.training.budget)
+    max_time_s: float = 0.0
     device: str = "auto"  # auto: cuda, then mps, then cpu
     # auto: bf16 where the device computes it natively and fast (measured), else fp32; bf16: autocast of the
     # matmuls, float32 weights (scratchlm.device.choices)
@@ -223,8 +225,11 @@ class TrainConfig:
             raise ScratchlmError(
                 f"{source}: schedule.decay_fraction must lie in (0, 1], got {self.schedule.decay_fraction!r}"
             )
-        if bool(t.max_steps) == bool(t.max_tokens):
-            raise ScratchlmError(f"{source}: set exactly one of training.max_steps and training.max_tokens")
+        if (t.max_steps and t.max_tokens) or not (t.max_steps or t.max_tokens or t.max_time_s):
+            raise ScratchlmError(
+                f"{source}: set exactly one of training.max_steps and training.max_tokens (or neither, with "
+                "training.max_time_s: then the run is as long as fits in the time)"
+            )
         if t.batch_size % t.grad_accum:
             raise ScratchlmError(
                 f"{source}: training.batch_size ({t.batch_size}) must be divisible by training.grad_accum "
@@ -233,8 +238,11 @@ class TrainConfig:
 
     @property
     def total_steps(self) -> int:
+        """The steps the config plans; 0 when only a time budget sizes the run."""
         if self.training.max_steps:
             return self.training.max_steps
+        if not self.training.max_tokens:
+            return 0
         return math.ceil(self.training.max_tokens / (self.training.batch_size * self.model.context_length))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
