@@ -44,6 +44,7 @@ from scratchlm.data.corpus import build_corpus, build_text_corpus
 from scratchlm.data.prepare import PreparedData, prepare_data
 from scratchlm.device import autocast, device_profile, resolve_device, resolve_precision
 from scratchlm.errors import ScratchlmError
+from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.generation.generate import generate
 from scratchlm.io import atomic_write, claim_output_dir
@@ -51,7 +52,6 @@ from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, re
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.evaluate import evaluate
 from scratchlm.training.trainer import train
 
 

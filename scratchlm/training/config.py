@@ -22,7 +22,6 @@ small writer for this flat two-level structure is here too.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 import types
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.io import _toml_value, to_toml
 from scratchlm.model.config import ModelConfig
 
 
@@ -376,40 +376,6 @@ def _section_dict(section: Any) -> dict[str, Any]:
     if isinstance(section, ModelConfig):
         return section.to_dict()
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = None) -> str:
-    """Write `{section: {key: value}}` as TOML; keys whose value is None are left out (TOML has no null).
-    `notes` ("section.key" -> one line of text) are written as comments after their keys."""
-    notes = notes or {}
-    lines = []
-    for section, entries in values.items():
-        lines.append(f"[{section}]")
-        for key, value in entries.items():
-            if value is not None:
-                note = notes.get(f"{section}.{key}")
-                comment = "  # " + " ".join(note.split()) if note else ""
-                lines.append(f"{key} = {_toml_value(value)}{comment}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 # Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where

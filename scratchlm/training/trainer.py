@@ -44,19 +44,18 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
+from scratchlm.data.tokens import gather_batch, load_tokens, sample_starts
 from scratchlm.device import Plan, apply_threads, autocast, plan, resolve_device
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
-from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import TOKENIZER_DIR, find_checkpoint
+from scratchlm.run.load import TOKENIZER_DIR, check_pair, find_checkpoint
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
-from scratchlm.training.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from scratchlm.training.config import TrainConfig, config_changes, read_toml
-from scratchlm.training.data import gather_batch, load_tokens, sample_starts
 from scratchlm.training.distributed import (
     Distributed,
     all_reduce,
@@ -254,12 +253,9 @@ class _Run:
         if not self.config.data.tokenizer:
             return None
         tokenizer = Tokenizer.from_dir(self.config.data.tokenizer)
-        vocab_size = self.config.model.vocab_size
-        if tokenizer.vocab_size > vocab_size:
-            raise ScratchlmError(
-                f"data.tokenizer {self.config.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
-                f"model.vocab_size ({vocab_size})"
-            )
+        check_pair(
+            self.config.model, tokenizer, None, f"data.tokenizer {self.config.data.tokenizer}", "[model]"
+        )
         copy = self.run_dir.path / TOKENIZER_DIR
         if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
             raise ScratchlmError(
@@ -279,16 +275,17 @@ class _Run:
             if resume and self.dist.is_main:
                 console.print(f"no checkpoint in {self.run_dir}: starting a new run")
             return
-        existing, state, damaged = self._newest_intact_checkpoint()
-        self._check_config_changes(state, allow_config_change)
-        self.step = self.last_saved = load_checkpoint(state, self.model, self.optimizer)
-        self.generator.bit_generator.state = state["data_rng"]
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.elapsed_before = state["elapsed_s"]
-        if state.get("time_budget") is not None:  # the length this run decided: the same schedule continues
-            self.budget = TimeBudget(self.config, BudgetDecision.from_dict(state["time_budget"]))
+        existing, checkpoint, damaged = self._newest_intact_checkpoint()
+        self._check_config_changes(checkpoint, allow_config_change)
+        checkpoint.load_into(self.model, self.optimizer)
+        self.step = self.last_saved = checkpoint.step
+        self.generator.bit_generator.state = checkpoint.data_rng
+        torch.set_rng_state(checkpoint.torch_rng)
+        if self.device.type == "cuda" and checkpoint.cuda_rng is not None:
+            torch.cuda.set_rng_state(checkpoint.cuda_rng, self.device)
+        self.elapsed_before = checkpoint.elapsed_s
+        if checkpoint.time_budget is not None:  # the length this run decided: the same schedule continues
+            self.budget = TimeBudget(self.config, BudgetDecision.from_dict(checkpoint.time_budget))
         if self.dist.is_main:
             for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
                 console.print(f"set {bad} aside as {self.run_dir.set_aside(bad).name}", style="yellow")
@@ -301,10 +298,8 @@ class _Run:
         continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
         and its tokenizer, when both are known, the one of `data.tokenizer`."""
         path, _ = find_checkpoint(source)
-        state = read_checkpoint(path)
-        if "model_config" not in state:
-            raise ScratchlmError(f"training.init_from: checkpoint {path} has no model_config")
-        theirs, ours = ModelConfig.from_dict(state["model_config"]), self.config.model
+        checkpoint = Checkpoint.read(path)
+        theirs, ours = checkpoint.model_config, self.config.model
         differing = [
             f"model.{name} = {getattr(ours, name)!r}, theirs {getattr(theirs, name)!r}"
             for name in ours.to_dict() | theirs.to_dict()
@@ -314,24 +309,26 @@ class _Run:
             raise ScratchlmError(
                 f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
             )
-        recorded = state.get("tokenizer_fingerprint")
-        if recorded and self.tokenizer is not None and recorded != self.tokenizer.fingerprint:
-            raise ScratchlmError(
-                f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
-                f"({self.config.data.tokenizer})"
-            )
-        load_checkpoint(state, self.model)
+        if self.tokenizer is not None:
+            try:
+                check_pair(ours, self.tokenizer, checkpoint.tokenizer_fingerprint)
+            except ScratchlmError:
+                raise ScratchlmError(
+                    f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
+                    f"({self.config.data.tokenizer})"
+                ) from None
+        checkpoint.load_into(self.model)
         if self.dist.is_main:
-            console.print(f"starting from the weights of {path} (step {state['iteration']}), fresh optimizer")
+            console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
 
-    def _newest_intact_checkpoint(self) -> tuple[Path, dict[str, Any], list[Path]]:
+    def _newest_intact_checkpoint(self) -> tuple[Path, Checkpoint, list[Path]]:
         """The newest checkpoint that reads back intact, read, and the newer ones that did not (a checksum
         that does not match, a truncated file), each reported by name. Once the resume goes ahead, those are
         set aside as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
         damaged: list[Path] = []
         for path in reversed(self.run_dir.checkpoints()):
             try:
-                return path, read_checkpoint(path), damaged
+                return path, Checkpoint.read(path), damaged
             except ScratchlmError as e:
                 if self.dist.is_main:
                     console.print(f"{e}; trying the checkpoint before it", style="yellow")
@@ -341,10 +338,10 @@ class _Run:
             f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
         )
 
-    def _check_config_changes(self, state: dict[str, Any], allowed: bool) -> None:
+    def _check_config_changes(self, checkpoint: Checkpoint, allowed: bool) -> None:
         """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
         config.toml): a difference is refused unless `allowed`, and then named."""
-        recorded = state.get("train_config")
+        recorded = checkpoint.train_config or None
         if recorded is None and self.run_dir.config.is_file():
             recorded = read_toml(self.run_dir.config)
         changes = config_changes(recorded, self.config) if recorded is not None else []
@@ -419,20 +416,20 @@ class _Run:
         if not self.dist.is_main:
             return None
         path = self.run_dir.checkpoint(self.step)
-        extra: dict[str, Any] = {
-            "train_config": self.config.to_dict(),
-            "data_rng": self.committed_rng,
-            "torch_rng": torch.get_rng_state(),
-            "elapsed_s": self._elapsed(),
-            "tokens": self.step * self.tokens_per_step,
-            "precision": self.precision,
-            "time_budget": None if self.budget.decision is None else self.budget.decision.to_dict(),
-        }
-        if self.tokenizer is not None:
-            extra["tokenizer_fingerprint"] = self.tokenizer.fingerprint
-        if self.device.type == "cuda":
-            extra["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        save_checkpoint(self.model, self.optimizer, self.step, path, **extra)
+        Checkpoint.of(
+            self.model,
+            self.step,
+            optimizer=self.optimizer.state_dict(),
+            train_config=self.config.to_dict(),
+            tokenizer_fingerprint=None if self.tokenizer is None else self.tokenizer.fingerprint,
+            data_rng=self.committed_rng,
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            elapsed_s=self._elapsed(),
+            tokens=self.step * self.tokens_per_step,
+            precision=self.precision,
+            time_budget=None if self.budget.decision is None else self.budget.decision.to_dict(),
+        ).save(path)
         self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
         return path
 
