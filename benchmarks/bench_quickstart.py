@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.device import autocast, device_profile, resolve_precision
+from scratchlm.evaluation import evaluate
 from scratchlm.model.config import ModelConfig
 from scratchlm.quickstart import (
     CALIBRATION_STEPS,
@@ -40,9 +41,8 @@ from scratchlm.quickstart import (
     train_within_budget,
     unigram_entropy,
 )
-from scratchlm.run import load_model
+from scratchlm.run import load_trained
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.evaluate import evaluate
 from scratchlm.training.schedule import cosine_lr_schedule
 
 
@@ -230,7 +230,7 @@ def main() -> None:
     else:
         print(f"scratchlm: training for {args.seconds:.0f} s ...", flush=True)
     summary = train_within_budget(size, data, run_dir, args.seconds, "cpu", bench_dir / "schedule.json")
-    ours = evaluate(load_model(run_dir)[0], valid).loss
+    ours = evaluate(load_trained(run_dir).model, valid).loss
     if pool is not None:
         theirs, ref_steps, ref_tokens_per_s = pending.get()
         pool.close()

@@ -41,11 +41,11 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.device import autocast, device_profile, resolve_precision
+from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.quickstart import FULL, RECIPES, SMALL, build_data, train_within_budget
-from scratchlm.run import load_model
+from scratchlm.run import load_trained
 from scratchlm.training.config import parse_override
-from scratchlm.training.evaluate import evaluate
 
 #: Each piece of the fast recipe, removed on its own (the ablation table). "muon" falls back to the
 #: specification's AdamW (every group at the spec's learning rate, filled in from --spec-lr).
@@ -90,7 +90,7 @@ def run_job(
         size, data, run_root / "run", seconds, "cpu", run_root / "schedule.json", recipe=name
     )
     valid = np.load(data.valid, mmap_mode="r")
-    loss = math.nan if kind == "warmup" else evaluate(load_model(run_root / "run")[0], valid).loss
+    loss = math.nan if kind == "warmup" else evaluate(load_trained(run_root / "run").model, valid).loss
     return {
         "name": name,
         "budget": budget,

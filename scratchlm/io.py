@@ -15,12 +15,14 @@ contain, an input of the same command (`check_output_file`, `check_output_dir`).
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from scratchlm.errors import ScratchlmError
 
@@ -182,3 +184,37 @@ def _marker(path: Path) -> str:
 def _write_marker(path: Path, kind: str) -> None:
     with atomic_write(path / OUTPUT_MARKER, "w") as f:
         f.write(kind + "\n")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = None) -> str:
+    """Write `{section: {key: value}}` as TOML; keys whose value is None are left out (TOML has no null).
+    `notes` ("section.key" -> one line of text) are written as comments after their keys."""
+    notes = notes or {}
+    lines = []
+    for section, entries in values.items():
+        lines.append(f"[{section}]")
+        for key, value in entries.items():
+            if value is not None:
+                note = notes.get(f"{section}.{key}")
+                comment = "  # " + " ".join(note.split()) if note else ""
+                lines.append(f"{key} = {_toml_value(value)}{comment}")
+        lines.append("")
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ there is refused, never overwritten):
     OUT/corpus/       train.txt, valid.txt, source.json (scratchlm.data.corpus)
     OUT/data/         tokenizer/, train.npy, valid.npy  (scratchlm.data.prepare)
     OUT/run/          config.toml, metrics.jsonl, checkpoints/, summary.json  (scratchlm.training)
-    OUT/schedule.json the number of steps that fit the time budget on this machine
+    OUT/schedule.json the number of steps that fit the time budget on this machine (the run decides it)
     OUT/loss.png      the learning curve
     OUT/quickstart.json  the final figures
 
@@ -44,13 +44,14 @@ from scratchlm.data.corpus import build_corpus, build_text_corpus
 from scratchlm.data.prepare import PreparedData, prepare_data
 from scratchlm.device import autocast, device_profile, resolve_device, resolve_precision
 from scratchlm.errors import ScratchlmError
+from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.generation.generate import generate
 from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
 from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.evaluate import evaluate
 from scratchlm.training.trainer import train
 
 
@@ -81,7 +82,7 @@ FULL = QuickstartSize(
     eval_interval=50,
     sample_tokens=200,
     # Measured on two cores in bf16: 276 ms per compiled step against 382 ms eager, for about 10 s of
-    # compilation (twice: the run resumes after calibrating its schedule).
+    # compilation.
     compile=True,
 )
 # Seconds per stage: for tests and a first look at the output.
@@ -97,9 +98,6 @@ SMALL = QuickstartSize(
     sample_tokens=40,
     compile=False,  # compiling would take longer than this whole run
 )
-
-# Steps that measure the training speed when the schedule is sized to a time budget.
-CALIBRATION_STEPS = 20
 
 # No prompt ends in a space: BPE tokens carry their leading space (" os"), so a trailing one is a rare token.
 PROMPTS = ("import", "def read_config(path):\n", "class Stack:\n")
@@ -355,36 +353,21 @@ def train_within_budget(
 ) -> RunSummary:
     """Train (or resume, or reuse) the quickstart's model with `recipe`; returns the run's summary.
 
-    A cosine schedule needs a step count, a time budget gives seconds, and how many steps fit depends on the
-    machine. So when `size.max_steps` is None the run is made in two parts: the first `CALIBRATION_STEPS`
-    steps measure this machine's speed, then the run resumes with the schedule sized to the steps that fit in
-    the rest of the budget, recorded in `schedule_file`. The time budget stays a hard limit across both
-    parts. The measured steps lie inside the warm-up, where the learning rate does not depend on the run's
-    length (a schedule sized to the measured steps alone would otherwise start its decay among them).
-    """
+    The time budget is the trainer's own (`scratchlm.training.budget`): when `size.max_steps` is None the run
+    measures this machine's speed over its first `CALIBRATION_STEPS` steps and sizes its schedule to the steps
+    that fit. The length it chose is copied to `schedule_file` for the reader."""
     run = RunDirectory(run_dir)
-    _check_recipe(run, train_config(size, data, run_dir, seconds, device, 1, recipe), recipe)
-    if size.max_steps is not None:
-        total = size.max_steps
-    elif schedule_file.exists():
-        total = json.loads(schedule_file.read_text())["max_steps"]
-    else:
-        config = train_config(size, data, run_dir, seconds, device, CALIBRATION_STEPS, recipe)
-        assert config.schedule.warmup_iters >= CALIBRATION_STEPS, "the measured steps must lie in the warm-up"
-        console.print(f"{CALIBRATION_STEPS} steps to measure this machine's speed")
-        measured = train(config, resume=run.latest_checkpoint() is not None)
-        total = steps_that_fit(
-            run_dir, measured, seconds, config.training.batch_size * config.model.context_length
-        )
-        with atomic_write(schedule_file, "w") as f:
-            json.dump({"max_steps": total}, f)
-        console.print(f"the rest of the budget fits {total - measured.steps:,} more steps: {total:,} in all")
+    config = train_config(size, data, run_dir, seconds, device, size.max_steps or 0, recipe)
+    _check_recipe(run, config, recipe)
     summary = run.summary()
-    if summary is not None and (summary.steps >= total or summary.stopped is StopReason.TIME_BUDGET):
+    if summary is not None and summary.stopped is not StopReason.INTERRUPTED:
         console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
         return summary
-    resume = run.latest_checkpoint() is not None
-    return train(train_config(size, data, run_dir, seconds, device, total, recipe), resume=resume)
+    summary = train(config, resume=run.latest_checkpoint() is not None)
+    decided = [r["time_budget"]["total_steps"] for r in read_metrics(run_dir) if "time_budget" in r]
+    with atomic_write(schedule_file, "w") as f:
+        json.dump({"max_steps": decided[-1] if decided else config.total_steps or summary.steps}, f)
+    return summary
 
 
 def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
@@ -400,21 +383,14 @@ def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
 
 
 def steps_that_fit(run_dir: Path, measured: RunSummary, seconds: float, tokens_per_step: int) -> int:
-    """The total step count that fills `seconds`, at the speed measured after the first logging interval
-    (which includes start-up work such as compilation).
-
-    The resumed run does not pay the calibration's start-up again: it runs in the same process, where
-    torch.compile finds its graphs already compiled (a second or two). Should it run slower than planned, the
-    time budget still stops it, a few steps before the end of its schedule."""
-    records = read_metrics(run_dir)
-    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
+    """The total step count that fills `seconds` after a run that ended as `measured`, at the median speed of
+    its logged intervals after the first (which includes start-up work such as compilation): the trainer's
+    own rule (`scratchlm.training.budget.fit_steps`), from a finished run's metrics."""
+    rates = [r["tokens_per_s"] for r in read_metrics(run_dir) if "tokens_per_s" in r][1:]
     if not rates:
         return measured.steps
-    steps_per_s = float(np.median(rates)) / tokens_per_step
-    # 8 % for what the rate above leaves out: the periodic validation estimates, checkpoints, the resumed
-    # run's start-up, and a machine that runs a little slower than it did while measured.
-    remaining = seconds - measured.wall_time_s
-    return measured.steps + max(0, int(0.92 * remaining * steps_per_s))
+    step_s = tokens_per_step / float(np.median(rates))
+    return fit_steps(measured.steps, measured.wall_time_s, seconds, step_s)
 
 
 def _stage(number: int, title: str) -> None:

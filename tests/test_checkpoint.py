@@ -1,4 +1,4 @@
-"""save_checkpoint / load_checkpoint / RunDirectory's checkpoints / load_model."""
+"""save_checkpoint / load_checkpoint / RunDirectory's checkpoints / load_trained."""
 
 import argparse
 import io
@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from scratchlm import AdamW, cross_entropy, load_checkpoint, load_model, save_checkpoint
+from scratchlm import AdamW, cross_entropy, load_checkpoint, load_trained, save_checkpoint
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
@@ -116,7 +116,7 @@ def test_latest_and_pruning(tmp_path):
     ]
 
 
-def test_load_model_from_a_run_directory(tmp_path):
+def test_load_trained_from_a_run_directory(tmp_path):
     model, optimizer = model_and_optimizer()
     train_steps(model, optimizer, 2, seed=3)
     save_checkpoint(model, optimizer, 1, RunDirectory(tmp_path).checkpoint(1))
@@ -124,9 +124,12 @@ def test_load_model_from_a_run_directory(tmp_path):
     save_checkpoint(
         model, optimizer, 2, RunDirectory(tmp_path).checkpoint(2), train_config={"data": {"tokenizer": "t"}}
     )
-    loaded, train_config = load_model(tmp_path)
+    trained = load_trained(tmp_path)
+    loaded = trained.model
     assert not loaded.training
-    assert train_config == {"data": {"tokenizer": "t"}}
+    assert (
+        trained.train_config == {"data": {"tokenizer": "t"}} and trained.checkpoint.name == "step_00000002.pt"
+    )
     ids = torch.randint(0, 64, (2, 8))
     model.eval()
     with torch.no_grad():
@@ -141,7 +144,7 @@ def test_errors_name_the_file(tmp_path):
     with pytest.raises(ScratchlmError, match=r"junk\.pt is not a scratchlm checkpoint"):
         load_checkpoint(tmp_path / "junk.pt", model)
     with pytest.raises(ScratchlmError, match="has no checkpoints"):
-        load_model(tmp_path)
+        load_trained(tmp_path)
     other = TransformerLM.from_config(
         ModelConfig(vocab_size=32, context_length=8, d_model=16, num_layers=1, num_heads=2)
     )

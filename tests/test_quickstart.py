@@ -26,7 +26,7 @@ from scratchlm.quickstart import (
     train_within_budget,
     unigram_entropy,
 )
-from scratchlm.run import RunDirectory, RunSummary, StopReason, load_model
+from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -93,7 +93,7 @@ def test_training_run_and_loss_went_down(out: Path) -> None:
 def test_reported_validation_loss_matches_an_independent_evaluation(out: Path) -> None:
     """Recompute the whole-file loss with torch's cross_entropy over the same consecutive windows."""
     report = json.loads((out / "quickstart.json").read_text())
-    model, _ = load_model(out / "run")
+    model = load_trained(out / "run").model
     ids = torch.from_numpy(np.load(out / "data" / "valid.npy").astype(np.int64))
     context = model.config.context_length
     total = 0.0

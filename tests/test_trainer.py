@@ -17,7 +17,7 @@ from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import RunSummary, StopReason
-from scratchlm.training import trainer
+from scratchlm.training import schedule, trainer
 from scratchlm.training.config import TrainConfig
 
 VOCAB = 64
@@ -157,18 +157,18 @@ def test_an_existing_run_is_not_overwritten(tmp_path):
 
 def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, monkeypatch):
     train(small_config(tmp_path, "straight"))
-    schedule = trainer.cosine_lr_schedule
+    cosine = schedule.cosine_lr_schedule
 
     def press_ctrl_c_at_step_7(it, *args):
         if it == 7:
             signal.raise_signal(signal.SIGINT)
-        return schedule(it, *args)
+        return cosine(it, *args)
 
-    monkeypatch.setattr(trainer, "cosine_lr_schedule", press_ctrl_c_at_step_7)
+    monkeypatch.setattr(schedule, "cosine_lr_schedule", press_ctrl_c_at_step_7)
     with pytest.raises(KeyboardInterrupt):
         train(small_config(tmp_path, "stopped"))
     assert (tmp_path / "stopped" / "checkpoints" / "step_00000007.pt").exists()  # the step was finished
-    monkeypatch.setattr(trainer, "cosine_lr_schedule", schedule)
+    monkeypatch.setattr(schedule, "cosine_lr_schedule", cosine)
     train(small_config(tmp_path, "stopped"), resume=True)
     assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "stopped"))
 

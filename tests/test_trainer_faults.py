@@ -14,24 +14,24 @@ from test_trainer import assert_same_state, final_state, small_config
 from scratchlm.cli import main
 from scratchlm.errors import Interrupted, ScratchlmError
 from scratchlm.run import StopReason
-from scratchlm.training import trainer
+from scratchlm.training import schedule, trainer
 from scratchlm.training.config import TrainConfig, config_changes
 from scratchlm.training.trainer import train
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, monkeypatch):
     train(small_config(tmp_path, "straight"))
-    schedule = trainer.cosine_lr_schedule
+    cosine = schedule.cosine_lr_schedule
 
     def sigterm_at_step_7(it, *args):
         if it == 7:
             signal.raise_signal(signal.SIGTERM)
-        return schedule(it, *args)
+        return cosine(it, *args)
 
     def unhandled(signum, frame):  # what SIGTERM did before: end the run with nothing saved
         raise AssertionError("SIGTERM was not handled by the training loop")
 
-    monkeypatch.setattr(trainer, "cosine_lr_schedule", sigterm_at_step_7)
+    monkeypatch.setattr(schedule, "cosine_lr_schedule", sigterm_at_step_7)
     previous = signal.signal(signal.SIGTERM, unhandled)
     try:
         with pytest.raises(Interrupted) as stopped:
@@ -42,7 +42,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, monkey
     assert (tmp_path / "stopped" / "checkpoints" / "step_00000007.pt").exists()
     summary = (tmp_path / "stopped" / "summary.json").read_text()
     assert f'"stopped": "{StopReason.INTERRUPTED.value}"' in summary
-    monkeypatch.setattr(trainer, "cosine_lr_schedule", schedule)
+    monkeypatch.setattr(schedule, "cosine_lr_schedule", cosine)
     train(small_config(tmp_path, "stopped"), resume=True)
     assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "stopped"))
 

@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> None:
     import time
 
     from scratchlm.console import console
-    from scratchlm.training.data import load_tokens
-    from scratchlm.training.evaluate import evaluate
+    from scratchlm.data.tokens import load_tokens
+    from scratchlm.evaluation import evaluate
 
     model = load_model_source(args).model
     precision = inference_plan(args, next(model.parameters()).device).precision.value

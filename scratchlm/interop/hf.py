@@ -55,11 +55,12 @@ from scratchlm.interop import (
 )
 from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
 from scratchlm.interop.verify import DTYPES, as_stored, check_logits, optional_transformers, quiet
-from scratchlm.io import atomic_directory, atomic_write, check_output_dir
+from scratchlm.io import atomic_directory, atomic_write, check_output_dir, to_toml
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RUN_KIND, RunDirectory
-from scratchlm.run.load import TOKENIZER_DIR, TrainedModel
+from scratchlm.run.load import TOKENIZER_DIR, TrainedModel, check_pair
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -322,10 +323,7 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
     tokenizer_path = directory / "tokenizer.json"
     if tokenizer_path.is_file():
         tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path))
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ScratchlmError(
-                f"{tokenizer_path} has {tokenizer.vocab_size} tokens, more than vocab_size ({config.vocab_size})"
-            )
+        check_pair(config, tokenizer, None, str(tokenizer_path), f"the model of {config_path}")
     state = HFAdapter(config).from_external(read_safetensors(directory), str(directory))
     model = TransformerLM.from_config(config)
     model.load_state_dict(state)
@@ -335,10 +333,6 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
 def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Turn the transformers checkpoint directory `source` into the scratchlm run directory `out` (new, or
     empty); returns `out`."""
-    from scratchlm.training.checkpoint import save_checkpoint
-    from scratchlm.training.config import OptimizerConfig, to_toml
-    from scratchlm.training.optim import build_optimizer
-
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # not even an earlier run: it would be lost
         raise ScratchlmError(f"output {out} exists and is not empty; choose a new run directory")
@@ -346,12 +340,14 @@ def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     if tokenizer is None:
         console.print(f"warning: {source} has no tokenizer.json; give generate a --tokenizer DIR")
     final = out.resolve()
-    extra: dict[str, Any] = {"imported_from": str(Path(source).resolve())}
-    if tokenizer is not None:
-        extra["tokenizer_fingerprint"] = tokenizer.fingerprint
-    # A run directory as training leaves one, at step 0; the optimizer state is empty, and `--init-from`
-    # starts a fresh one anyway.
-    optimizer = build_optimizer(OptimizerConfig(), model)
+    # A run directory as training leaves one, at step 0, with no optimizer state: there is none to import,
+    # and `training.init_from` starts a fresh one anyway.
+    checkpoint = Checkpoint.of(
+        model,
+        0,
+        tokenizer_fingerprint=None if tokenizer is None else tokenizer.fingerprint,
+        imported_from=str(Path(source).resolve()),
+    )
     settings: dict[str, dict[str, Any]] = {
         "model": model.config.to_dict(),
         "training": {"init_from": str(final)},
@@ -360,7 +356,7 @@ def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         settings = {"data": {"tokenizer": str(final / TOKENIZER_DIR)}, **settings}
     with atomic_directory(out, RUN_KIND) as tmp:
         run = RunDirectory(tmp)
-        save_checkpoint(model, optimizer, 0, run.checkpoint(0), **extra)
+        checkpoint.save(run.checkpoint(0))
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_DIR)
         with atomic_write(run.config, "w") as f:

@@ -11,21 +11,25 @@ A training run lives in one directory (`logging.run_dir`):
       .scratchlm-output       marks the directory as a run (`scratchlm.io`): anything else is refused
 
 Everything that reads or writes these files goes through this package: `RunDirectory` knows the paths and
-finds checkpoints and locks the run for one trainer, `RunSummary` is the typed summary with its `StopReason`, `read_metrics` parses the metrics
+finds checkpoints and locks the run for one trainer, `Checkpoint` is the one reader and writer of checkpoint
+files (`scratchlm.run.checkpoint`, the only module that knows their keys), `check_pair` decides whether a
+tokenizer belongs to a model, `RunSummary` is the typed summary with its `StopReason`, `read_metrics` parses the metrics
 log, and `load_trained` loads a trained model together with its tokenizer for inference.
 """
 
+from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import TrainedModel, load_model, load_trained
+from scratchlm.run.load import TrainedModel, check_pair, load_trained
 from scratchlm.run.metrics import read_metrics
 from scratchlm.run.summary import RunSummary, StopReason
 
 __all__ = [
+    "Checkpoint",
     "RunDirectory",
     "RunSummary",
     "StopReason",
     "TrainedModel",
-    "load_model",
+    "check_pair",
     "load_trained",
     "read_metrics",
 ]

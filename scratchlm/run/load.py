@@ -21,9 +21,9 @@ from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.checkpoint import load_checkpoint, read_checkpoint
 
 TOKENIZER_DIR = "tokenizer"  # the run directory's copy of its tokenizer
 
@@ -55,16 +55,6 @@ def find_checkpoint(source: str | os.PathLike) -> tuple[Path, RunDirectory | Non
     return path, RunDirectory(parent.parent) if parent.name == "checkpoints" else None
 
 
-def load_model(
-    path_or_run_dir: str | os.PathLike, device: str | torch.device = "cpu"
-) -> tuple[TransformerLM, dict]:
-    """Rebuild a trained model from a checkpoint file or a run directory (its latest checkpoint).
-
-    Returns the model in eval mode on `device`, and the checkpoint's train config dict (empty when absent)."""
-    trained = _load(*find_checkpoint(path_or_run_dir), device)
-    return trained.model, trained.train_config
-
-
 def load_trained(
     source: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -92,29 +82,42 @@ def load_trained(
 
 
 def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> TrainedModel:
-    state = read_checkpoint(path)
-    if "model_config" not in state:
-        raise ScratchlmError(f"checkpoint {path} has no model_config; cannot rebuild the model")
-    model = TransformerLM.from_config(ModelConfig.from_dict(state["model_config"]), device=device)
-    load_checkpoint(state, model)
+    checkpoint = Checkpoint.read(path)
+    model = TransformerLM.from_config(checkpoint.model_config, device=device)
+    checkpoint.load_into(model)
     model.eval()
-    return TrainedModel(model, None, path, state.get("train_config", {}), state.get("tokenizer_fingerprint"))
+    return TrainedModel(model, None, path, checkpoint.train_config, checkpoint.tokenizer_fingerprint)
+
+
+def check_pair(
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    fingerprint: str | None = None,
+    tokenizer_name: str = "the tokenizer",
+    model_name: str = "the model",
+) -> None:
+    """Refuse a tokenizer that does not belong to a model: one with more tokens than the model's vocabulary
+    (its ids would index past the embedding), or, when the model's checkpoint recorded the `fingerprint` of
+    the tokenizer it was trained with, any other one (it would map the model's ids to other text). Training,
+    `init_from`, loading a trained model and `import-hf` all check here."""
+    if fingerprint is not None and tokenizer.fingerprint != fingerprint:
+        raise ScratchlmError(
+            f"{tokenizer_name} is not the one {model_name} was trained with (their vocabularies or merges "
+            "differ); pass the run's tokenizer with --tokenizer DIR"
+        )
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ScratchlmError(
+            f"{tokenizer_name} has {tokenizer.vocab_size} tokens, more than the vocabulary of {model_name} "
+            f"({model_config.vocab_size}): they do not belong together"
+        )
 
 
 def _check_pair(trained: TrainedModel, origin: str) -> None:
-    """Refuse a tokenizer the model was not trained with."""
+    """Refuse a tokenizer the model was not trained with; warn of one whose fit is not recorded."""
     tokenizer, vocab_size = trained.tokenizer, trained.model.config.vocab_size
+    assert tokenizer is not None
     recorded = trained.tokenizer_fingerprint
-    if recorded is not None and tokenizer.fingerprint != recorded:
-        raise ScratchlmError(
-            f"{origin} is not the one the model in {trained.checkpoint} was trained with (their vocabularies or "
-            "merges differ); pass the run's tokenizer with --tokenizer DIR"
-        )
-    if tokenizer.vocab_size > vocab_size:
-        raise ScratchlmError(
-            f"{origin} has {tokenizer.vocab_size} tokens but the model in {trained.checkpoint} only {vocab_size}: "
-            "they do not belong together (pass the run's tokenizer with --tokenizer DIR)"
-        )
+    check_pair(trained.model.config, tokenizer, recorded, origin, f"the model in {trained.checkpoint}")
     if recorded is None and tokenizer.vocab_size < vocab_size:
         console.print(
             Text.assemble(

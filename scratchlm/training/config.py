@@ -22,7 +22,6 @@ small writer for this flat two-level structure is here too.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 import types
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.io import _toml_value, to_toml
 from scratchlm.model.config import ModelConfig
 
 
@@ -79,7 +79,9 @@ class TrainingConfig:
     grad_accum: int = 1  # micro-batches per step (each process)
     max_steps: int = 0  # steps to train; 0: derived from max_tokens
     max_tokens: int = 0  # or a token budget: steps = ceil(max_tokens / (batch_size * context_length))
-    max_time_s: float = 0.0  # wall-clock budget in seconds; 0: none
+    # wall-clock budget in seconds (0: none): the schedule is sized to the steps that fit, measured on the
+    # machine, max_steps / max_tokens (when set) being the most it may have (scratchlm.training.budget)
+    max_time_s: float = 0.0
     device: str = "auto"  # auto: cuda, then mps, then cpu
     # auto: bf16 where the device computes it natively and fast (measured), else fp32; bf16: autocast of the
     # matmuls, float32 weights (scratchlm.device.choices)
@@ -225,8 +227,11 @@ class TrainConfig:
             raise ScratchlmError(
                 f"{source}: schedule.decay_fraction must lie in (0, 1], got {self.schedule.decay_fraction!r}"
             )
-        if bool(t.max_steps) == bool(t.max_tokens):
-            raise ScratchlmError(f"{source}: set exactly one of training.max_steps and training.max_tokens")
+        if (t.max_steps and t.max_tokens) or not (t.max_steps or t.max_tokens or t.max_time_s):
+            raise ScratchlmError(
+                f"{source}: set exactly one of training.max_steps and training.max_tokens (or neither, with "
+                "training.max_time_s: then the run is as long as fits in the time)"
+            )
         if t.batch_size % t.grad_accum:
             raise ScratchlmError(
                 f"{source}: training.batch_size ({t.batch_size}) must be divisible by training.grad_accum "
@@ -235,8 +240,11 @@ class TrainConfig:
 
     @property
     def total_steps(self) -> int:
+        """The steps the config plans; 0 when only a time budget sizes the run."""
         if self.training.max_steps:
             return self.training.max_steps
+        if not self.training.max_tokens:
+            return 0
         return math.ceil(self.training.max_tokens / (self.training.batch_size * self.model.context_length))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -370,40 +378,6 @@ def _section_dict(section: Any) -> dict[str, Any]:
     if isinstance(section, ModelConfig):
         return section.to_dict()
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = None) -> str:
-    """Write `{section: {key: value}}` as TOML; keys whose value is None are left out (TOML has no null).
-    `notes` ("section.key" -> one line of text) are written as comments after their keys."""
-    notes = notes or {}
-    lines = []
-    for section, entries in values.items():
-        lines.append(f"[{section}]")
-        for key, value in entries.items():
-            if value is not None:
-                note = notes.get(f"{section}.{key}")
-                comment = "  # " + " ".join(note.split()) if note else ""
-                lines.append(f"{key} = {_toml_value(value)}{comment}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 # Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where

@@ -64,7 +64,7 @@ class MetricsLogger:
         self,
         run: RunDirectory,
         config: dict[str, Any],
-        total_steps: int,
+        total_steps: int | None,
         start_step: int = 0,
         wandb: bool = False,
         wandb_project: str = "scratchlm",
@@ -111,6 +111,11 @@ class MetricsLogger:
         self.bar.update(self.task, completed=step)
         console.print(_format(record, self.total_steps), highlight=False, markup=True)  # numbers only
 
+    def set_total(self, total_steps: int) -> None:
+        """The run's length once it is known (a time budget decides it after measuring the speed)."""
+        self.total_steps = total_steps
+        self.bar.update(self.task, total=total_steps)
+
     def note(self, record: dict[str, Any]) -> None:
         """A record for the file only (not printed, not a point of any curve): e.g. a session's setup."""
         self.file.write(json.dumps(record) + "\n")
@@ -125,8 +130,9 @@ class MetricsLogger:
             self.tensorboard.close()
 
 
-def _format(record: dict[str, Any], total_steps: int) -> str:
-    head = f"step {record['step']:>{len(str(total_steps))}}/{total_steps}"
+def _format(record: dict[str, Any], total_steps: int | None) -> str:
+    shown = "?" if total_steps is None else str(total_steps)  # "?": a time budget has yet to decide it
+    head = f"step {record['step']:>{len(shown)}}/{shown}"
     if "val_loss" in record:
         return f"{head} │ [bold]val loss {record['val_loss']:.4f}[/] │ val ppl {record['val_ppl']:.2f}"
     # MFU is left out where the device's peak is unknown (CPUs, unless logging.peak_tflops says it).

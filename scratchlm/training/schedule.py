@@ -20,12 +20,17 @@ A cosine spends most of a run below its peak; WSD trains at the peak for longer 
 annealing in its short final decay. Its rate before the decay does not depend on the run's length either, so
 a run can be extended by moving only the decay.
 
-Both are pure functions of the step, so resuming a run continues the schedule exactly.
+Both are pure functions of the step, so resuming a run continues the schedule exactly. The trainer never
+chooses between them: `build_schedule` turns the `[schedule]` section and the run's length into one
+`Schedule`, a callable from the step to the rate, and the step only calls it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from scratchlm.training.config import ScheduleConfig
 
 
 def cosine_lr_schedule(
@@ -64,3 +69,37 @@ def wsd_lr_schedule(
         return min_learning_rate
     progress = (it - decay_start) / (total_iters - decay_start)
     return max_learning_rate + progress * (min_learning_rate - max_learning_rate)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate of every step of one run: `schedule(step)`. `end` is the step where the rate reaches
+    `min_lr` (the cosine's `T_c`, or the WSD's `T`); the run's length when the config leaves it open."""
+
+    kind: str
+    lr: float
+    min_lr: float
+    warmup_iters: int
+    end: int
+    decay_fraction: float
+
+    def __call__(self, step: int) -> float:
+        # The functions are looked up when called, so that a test may wrap them in this module.
+        if self.kind == "wsd":
+            return wsd_lr_schedule(
+                step, self.lr, self.min_lr, self.warmup_iters, self.end, self.decay_fraction
+            )
+        return cosine_lr_schedule(step, self.lr, self.min_lr, self.warmup_iters, self.end)
+
+
+def build_schedule(config: ScheduleConfig, lr: float, min_lr: float, total_steps: int) -> Schedule:
+    """The schedule `config` describes for a run of `total_steps` steps from `lr` down to `min_lr`: it ends at
+    `config.cosine_cycle_iters`, or at the run's last step when that is 0."""
+    return Schedule(
+        config.kind,
+        lr,
+        min_lr,
+        config.warmup_iters,
+        config.cosine_cycle_iters or total_steps,
+        config.decay_fraction,
+    )

@@ -2,7 +2,7 @@
 
 One optimizer step at step number t (1-based):
 
-    lr ← cosine_lr_schedule(t, lr, min_lr, warmup_iters, cosine_cycle_iters)   (or wsd_lr_schedule)
+    lr ← schedule(t)   (the cosine or the WSD of `build_schedule`, sized by the time budget when there is one)
     draw `batch_size` windows of the training tokens (the global batch; this process takes its slice)
     for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) / grad_accum;  backward
     clip the gradients to norm `grad_clip`;  AdamW step;  zero the gradients
@@ -22,7 +22,9 @@ the elapsed time. The schedule is a function of the step, so a resumed run conti
 resume, N steps gives bit-for-bit the parameters of 2N steps in one go. Ctrl-C (SIGINT) and SIGTERM (`kill`,
 `timeout`, `docker stop`, a cluster scheduler) finish the current step, save a checkpoint and raise
 `Interrupted`, whose signal number the command line turns into its exit status (130, 143); so does the
-wall-clock budget `max_time_s` (counted across resumes), which returns normally.
+wall-clock budget `max_time_s` (counted across resumes), which returns normally. With a budget the run also
+sizes its schedule to the steps that fit, measured on the machine (`scratchlm.training.budget`), so that it
+ends with its decay complete inside the budget; the decision is saved with the checkpoints.
 Resuming a run that has no steps left changes nothing in it and returns the summary it wrote.
 """
 
@@ -42,19 +44,20 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
+from scratchlm.data.tokens import gather_batch, load_tokens, sample_starts
 from scratchlm.device import Plan, apply_threads, autocast, plan, resolve_device
 from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
-from scratchlm.model.config import COMPUTATION_FIELDS, ModelConfig
+from scratchlm.model.config import COMPUTATION_FIELDS
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import TOKENIZER_DIR, find_checkpoint
+from scratchlm.run.load import TOKENIZER_DIR, check_pair, find_checkpoint
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig, config_changes, read_toml
-from scratchlm.training.data import gather_batch, load_tokens, sample_starts
 from scratchlm.training.distributed import (
     Distributed,
     all_reduce,
@@ -66,9 +69,10 @@ from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss import cross_entropy
 from scratchlm.training.metrics import MetricsLogger, peak_flops
 from scratchlm.training.optim import build_optimizer
-from scratchlm.training.schedule import cosine_lr_schedule, wsd_lr_schedule
 
 EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
+# The clock of the time budget, tokens/s and the elapsed time; a test replaces it with a fake one.
+clock = time.perf_counter
 
 
 class StopRequest:
@@ -146,7 +150,8 @@ class _Interval:
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
         self.grad_norm = torch.zeros((), device=device)
-        self.steps, self.start, self.paused = 0, time.perf_counter(), 0.0
+        self.steps, self.start, self.paused = 0, clock(), 0.0
+        self.paused_in_session = 0.0  # over every interval of the session: the time budget's measurement
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.loss += loss
@@ -156,9 +161,10 @@ class _Interval:
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Time spent inside does not count towards the interval's tokens/s."""
-        start = time.perf_counter()
+        start = clock()
         yield
-        self.paused += time.perf_counter() - start
+        self.paused += clock() - start
+        self.paused_in_session += clock() - start
 
     def means(self, step: int, run: RunDirectory) -> tuple[float, float]:
         """The mean loss (over all processes) and gradient norm of the interval so far; stops the run with a
@@ -174,7 +180,7 @@ class _Interval:
 
     def close(self, tokens_per_step: int) -> float:
         """Ends the interval and starts the next; returns the ended interval's tokens/s."""
-        now = time.perf_counter()
+        now = clock()
         tokens_per_s = self.steps * tokens_per_step / max(now - self.start - self.paused, 1e-9)
         self.loss.zero_()
         self.grad_norm.zero_()
@@ -199,8 +205,6 @@ class _Run:
         t, m = config.training, config.model
         self.run_dir = RunDirectory(config.logging.run_dir)
         self.context = m.context_length
-        self.total_steps = config.total_steps
-        self.cosine_end = config.schedule.cosine_cycle_iters or self.total_steps
         sequences_per_process = t.batch_size // dist_info.world_size
         if t.batch_size % (dist_info.world_size * t.grad_accum):
             raise ScratchlmError(
@@ -221,6 +225,7 @@ class _Run:
         self.generator = np.random.default_rng(t.seed)
         self.step, self.elapsed_before = 0, 0.0
         self.last_saved: int | None = None  # the step of the newest checkpoint on disk
+        self.budget = TimeBudget(config)
         self._restore(resume, allow_config_change)
         if t.init_from and self.last_saved is None:  # a new run: a resumed one continues its own weights
             self._init_from(t.init_from)
@@ -253,12 +258,9 @@ class _Run:
         if not self.config.data.tokenizer:
             return None
         tokenizer = Tokenizer.from_dir(self.config.data.tokenizer)
-        vocab_size = self.config.model.vocab_size
-        if tokenizer.vocab_size > vocab_size:
-            raise ScratchlmError(
-                f"data.tokenizer {self.config.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
-                f"model.vocab_size ({vocab_size})"
-            )
+        check_pair(
+            self.config.model, tokenizer, None, f"data.tokenizer {self.config.data.tokenizer}", "[model]"
+        )
         copy = self.run_dir.path / TOKENIZER_DIR
         if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
             raise ScratchlmError(
@@ -278,14 +280,17 @@ class _Run:
             if resume and self.dist.is_main:
                 console.print(f"no checkpoint in {self.run_dir}: starting a new run")
             return
-        existing, state, damaged = self._newest_intact_checkpoint()
-        self._check_config_changes(state, allow_config_change)
-        self.step = self.last_saved = load_checkpoint(state, self.model, self.optimizer)
-        self.generator.bit_generator.state = state["data_rng"]
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.elapsed_before = state["elapsed_s"]
+        existing, checkpoint, damaged = self._newest_intact_checkpoint()
+        self._check_config_changes(checkpoint, allow_config_change)
+        checkpoint.load_into(self.model, self.optimizer)
+        self.step = self.last_saved = checkpoint.step
+        self.generator.bit_generator.state = checkpoint.data_rng
+        torch.set_rng_state(checkpoint.torch_rng)
+        if self.device.type == "cuda" and checkpoint.cuda_rng is not None:
+            torch.cuda.set_rng_state(checkpoint.cuda_rng, self.device)
+        self.elapsed_before = checkpoint.elapsed_s
+        if checkpoint.time_budget is not None:  # the length this run decided: the same schedule continues
+            self.budget = TimeBudget(self.config, BudgetDecision.from_dict(checkpoint.time_budget))
         if self.dist.is_main:
             for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
                 console.print(f"set {bad} aside as {self.run_dir.set_aside(bad).name}", style="yellow")
@@ -298,10 +303,8 @@ class _Run:
         continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
         and its tokenizer, when both are known, the one of `data.tokenizer`."""
         path, _ = find_checkpoint(source)
-        state = read_checkpoint(path)
-        if "model_config" not in state:
-            raise ScratchlmError(f"training.init_from: checkpoint {path} has no model_config")
-        theirs, ours = ModelConfig.from_dict(state["model_config"]), self.config.model
+        checkpoint = Checkpoint.read(path)
+        theirs, ours = checkpoint.model_config, self.config.model
         differing = [
             f"model.{name} = {getattr(ours, name)!r}, theirs {getattr(theirs, name)!r}"
             for name in ours.to_dict() | theirs.to_dict()
@@ -311,24 +314,26 @@ class _Run:
             raise ScratchlmError(
                 f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
             )
-        recorded = state.get("tokenizer_fingerprint")
-        if recorded and self.tokenizer is not None and recorded != self.tokenizer.fingerprint:
-            raise ScratchlmError(
-                f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
-                f"({self.config.data.tokenizer})"
-            )
-        load_checkpoint(state, self.model)
+        if self.tokenizer is not None:
+            try:
+                check_pair(ours, self.tokenizer, checkpoint.tokenizer_fingerprint)
+            except ScratchlmError:
+                raise ScratchlmError(
+                    f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
+                    f"({self.config.data.tokenizer})"
+                ) from None
+        checkpoint.load_into(self.model)
         if self.dist.is_main:
-            console.print(f"starting from the weights of {path} (step {state['iteration']}), fresh optimizer")
+            console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
 
-    def _newest_intact_checkpoint(self) -> tuple[Path, dict[str, Any], list[Path]]:
+    def _newest_intact_checkpoint(self) -> tuple[Path, Checkpoint, list[Path]]:
         """The newest checkpoint that reads back intact, read, and the newer ones that did not (a checksum
         that does not match, a truncated file), each reported by name. Once the resume goes ahead, those are
         set aside as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
         damaged: list[Path] = []
         for path in reversed(self.run_dir.checkpoints()):
             try:
-                return path, read_checkpoint(path), damaged
+                return path, Checkpoint.read(path), damaged
             except ScratchlmError as e:
                 if self.dist.is_main:
                     console.print(f"{e}; trying the checkpoint before it", style="yellow")
@@ -338,10 +343,10 @@ class _Run:
             f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
         )
 
-    def _check_config_changes(self, state: dict[str, Any], allowed: bool) -> None:
+    def _check_config_changes(self, checkpoint: Checkpoint, allowed: bool) -> None:
         """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
         config.toml): a difference is refused unless `allowed`, and then named."""
-        recorded = state.get("train_config")
+        recorded = checkpoint.train_config or None
         if recorded is None and self.run_dir.config.is_file():
             recorded = read_toml(self.run_dir.config)
         changes = config_changes(recorded, self.config) if recorded is not None else []
@@ -358,13 +363,7 @@ class _Run:
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns the (device-resident) mean loss and the gradient norm before clipping."""
         t = self.config.training
-        o, s = self.config.optimizer, self.config.schedule
-        if s.kind == "wsd":
-            lr = wsd_lr_schedule(
-                self.step + 1, o.lr, o.min_lr, s.warmup_iters, self.cosine_end, s.decay_fraction
-            )
-        else:
-            lr = cosine_lr_schedule(self.step + 1, o.lr, o.min_lr, s.warmup_iters, self.cosine_end)
+        lr = self.budget.schedule(self.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_scale"]
         starts = sample_starts(len(self.train_tokens), t.batch_size, self.context, self.generator)
@@ -425,19 +424,20 @@ class _Run:
         if not self.dist.is_main:
             return None
         path = self.run_dir.checkpoint(self.step)
-        extra: dict[str, Any] = {
-            "train_config": self.config.to_dict(),
-            "data_rng": self.committed_rng,
-            "torch_rng": torch.get_rng_state(),
-            "elapsed_s": self._elapsed(),
-            "tokens": self.step * self.tokens_per_step,
-            "precision": self.precision,
-        }
-        if self.tokenizer is not None:
-            extra["tokenizer_fingerprint"] = self.tokenizer.fingerprint
-        if self.device.type == "cuda":
-            extra["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        save_checkpoint(self.model, self.optimizer, self.step, path, **extra)
+        Checkpoint.of(
+            self.model,
+            self.step,
+            optimizer=self.optimizer.state_dict(),
+            train_config=self.config.to_dict(),
+            tokenizer_fingerprint=None if self.tokenizer is None else self.tokenizer.fingerprint,
+            data_rng=self.committed_rng,
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            elapsed_s=self._elapsed(),
+            tokens=self.step * self.tokens_per_step,
+            precision=self.precision,
+            time_budget=None if self.budget.decision is None else self.budget.decision.to_dict(),
+        ).save(path)
         self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
         return path
 
@@ -453,6 +453,7 @@ class _Run:
                 with self.stop.installed():
                     while self.step < self.total_steps:
                         self.interval.add(*self._train_step())
+                        self._observe_budget()
 
                         at_log = self.step % config.logging.log_interval == 0 or self.step == self.total_steps
                         at_eval = config.eval.interval and self.step % config.eval.interval == 0
@@ -499,15 +500,22 @@ class _Run:
             console.print(choices.summary(), markup=False, highlight=False)
             for warning in choices.warnings:
                 console.print(f"warning: {warning}", style="yellow", markup=False)
+            budget = self.budget
+            steps = (
+                f"as many steps as fit in {format_seconds(budget.seconds)}"
+                + (f" (at most {budget.planned:,})" if budget.planned else "")
+                if budget.deciding
+                else f"{self.total_steps:,} steps"
+            )
             console.print(
                 f"training {self.model.num_parameters():,} parameters on {self.device}"
-                f"{f' × {self.dist.world_size} processes' if self.dist.enabled else ''}: {self.total_steps:,} steps"
+                f"{f' × {self.dist.world_size} processes' if self.dist.enabled else ''}: {steps}"
                 f" of {config.training.batch_size} × {self.context} tokens → {self.run_dir}"
             )
             self.logger = MetricsLogger(
                 self.run_dir,
                 config.to_dict(),
-                self.total_steps,
+                None if budget.deciding else self.total_steps,
                 start_step=self.step,
                 wandb=config.logging.wandb,
                 wandb_project=config.logging.wandb_project,
@@ -527,13 +535,39 @@ class _Run:
                     },
                 }
             )
-        self.session_start = time.perf_counter()
+        self.session_start = clock()
         self.interval = _Interval(self.device)
         self.threads = ThreadTuner(self.choices.threads)
 
     def _elapsed(self) -> float:
         """Seconds of training in this run, over all its sessions."""
-        return self.elapsed_before + time.perf_counter() - self.session_start
+        return self.elapsed_before + clock() - self.session_start
+
+    @property
+    def total_steps(self) -> int:
+        return self.budget.total_steps
+
+    def _observe_budget(self) -> None:
+        """Let the time budget measure this step and, at its decision step, size the schedule; the decision
+        goes into the metrics log here and into every checkpoint from now on."""
+        if not self.budget.deciding:
+            return
+        if self.budget.wants_clock(self.step, self.start_step) and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # time the work done, not the work queued
+        decision = self.budget.observe(
+            self.step, self.start_step, self._elapsed(), self.interval.paused_in_session
+        )
+        if decision is None or not self.dist.is_main:
+            return
+        console.print(
+            f"{decision.step_s:.3f} s a step: {decision.total_steps:,} steps fit in the time budget of "
+            f"{format_seconds(self.config.training.max_time_s)}; the schedule ends at step {decision.total_steps:,}"
+        )
+        if self.logger is not None:
+            self.logger.set_total(decision.total_steps)
+            self.logger.note(
+                {"step": self.step, "time": round(self._elapsed(), 3), "time_budget": decision.to_dict()}
+            )
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.logger is not None:
@@ -606,7 +640,7 @@ class _Run:
 
     def _finish(self) -> RunSummary:
         """Write and print the summary; an interrupted run then raises `Interrupted` with its signal."""
-        session_time = time.perf_counter() - self.session_start
+        session_time = clock() - self.session_start
         summary = self._summary(
             wall_time_s=self._elapsed(),
             tokens_per_s=(self.step - self.start_step) * self.tokens_per_step / session_time,

@@ -1,0 +1,288 @@
+"""Checkpoints: everything needed to continue a run, or to use the model it trained. This module is their one
+owner: the keys of the file are named here and nowhere else, `Checkpoint` is the typed content that training,
+import, export, `eval` and `generate` all read and write, and `save_checkpoint` / `load_checkpoint` are the interface of the
+CS336 assignment-1 handout to the same file.
+
+A checkpoint is one `torch.save`d dict:
+
+    model         the model's state dict, under the handout's names (`layers.0.attn.q_proj.weight`, ...)
+    optimizer     the optimizer's state dict (absent from an imported model, which has none)
+    iteration     the number of optimizer steps taken
+    model_config  `ModelConfig.to_dict()`, so the model can be rebuilt without the training config
+    train_config, tokenizer_fingerprint, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision,
+    time_budget   what a training run adds: its config, the RNG and data-sampling states, its time, what
+                  `precision = "auto"` resolved to and the time budget's decision (`Checkpoint`)
+
+Compiled (`torch.compile`) and data-parallel (`DistributedDataParallel`) models wrap the real module and prefix
+its parameter names with `_orig_mod.` and `module.`; the checkpoint always stores the unwrapped names, so it
+loads into a plain model, and names with such prefixes are stripped on load. Saving to a path is atomic: a
+crash mid-write never leaves a truncated checkpoint under the real name. Checkpoints hold only tensors and
+plain Python values, so they load with `weights_only=True` (no code runs when reading one).
+
+A checkpoint also carries `sha256`, a digest of its content (every tensor's dtype, shape and bytes and every
+plain value, in order), checked when it is read: bytes damaged on disk or in transit would otherwise load
+without complaint, since nothing in the file format checks the tensor data, and training would go on from
+garbage. The digest is computed from the values rather than from the file, so it does not depend on how
+`torch.save` lays them out. Checkpoints written before it existed load unchecked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.io import atomic_write
+from scratchlm.model.config import ModelConfig
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+CHECKSUM_KEY = "sha256"
+# The keys of the checkpoint dict (the module docstring); `Checkpoint` holds one field for each.
+MODEL, OPTIMIZER, STEP, MODEL_CONFIG = "model", "optimizer", "iteration", "model_config"
+TRAIN_CONFIG, TOKENIZER_FINGERPRINT, PRECISION, TIME_BUDGET = (
+    "train_config",
+    "tokenizer_fingerprint",
+    "precision",
+    "time_budget",
+)
+DATA_RNG, TORCH_RNG, CUDA_RNG, ELAPSED, TOKENS = "data_rng", "torch_rng", "cuda_rng", "elapsed_s", "tokens"
+IMPORTED_FROM = "imported_from"
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DistributedDataParallel / torch.compile wrappers (in any nesting)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`module._orig_mod.lm_head.weight` -> `lm_head.weight`."""
+    clean = {}
+    for key, value in state_dict.items():
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        clean[key] = value
+    return clean
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    iteration: int,
+    out: str | os.PathLike | IO[bytes],
+    **extra: Any,
+) -> None:
+    """Write model, optimizer, iteration (and `extra` entries) to `out`, a path (atomically) or a binary file."""
+    model = unwrap_model(model)
+    state: dict[str, Any] = {
+        MODEL: model.state_dict(),
+        OPTIMIZER: optimizer.state_dict(),
+        STEP: int(iteration),
+    }
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        state[MODEL_CONFIG] = config.to_dict()
+    state.update(extra)
+    _write(state, out)
+
+
+def _write(state: dict[str, Any], out: str | os.PathLike | IO[bytes]) -> None:
+    state[CHECKSUM_KEY] = content_digest(state)
+    if isinstance(out, str | os.PathLike):
+        with atomic_write(out, "wb") as f:
+            torch.save(state, f)
+    else:
+        torch.save(state, out)
+
+
+def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> dict[str, Any]:
+    """The checkpoint dict, on the CPU; a one-line error naming the file for a missing, empty, truncated or
+    foreign one."""
+    if isinstance(src, str | os.PathLike):
+        path = Path(src)
+        if not path.exists():
+            raise ScratchlmError(f"checkpoint {src} not found")
+        if not path.is_file():
+            raise ScratchlmError(f"checkpoint {src} is not a file")
+        if path.stat().st_size == 0:
+            raise ScratchlmError(f"checkpoint {src} is empty (0 bytes): not a checkpoint")
+    try:
+        state = torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused the content: another format, or arbitrary objects
+        raise ScratchlmError(
+            f"checkpoint {src} is not a scratchlm checkpoint (not a PyTorch file of tensors and plain values)"
+        ) from None
+    except Exception as e:  # a truncated or foreign file: torch raises several types
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ScratchlmError(
+            f"checkpoint {src} could not be read (truncated, or not a PyTorch file): {reason}"
+        ) from None
+    if not isinstance(state, dict) or MODEL not in state:
+        raise ScratchlmError(f"checkpoint {src} is not a scratchlm checkpoint (no 'model' entry)")
+    recorded = state.pop(CHECKSUM_KEY, None)
+    if recorded is not None and recorded != content_digest(state):
+        raise ScratchlmError(
+            f"checkpoint {src} is damaged: its content does not match the checksum saved with it"
+        )
+    return state
+
+
+def content_digest(state: dict[str, Any]) -> str:
+    """The SHA-256 of a checkpoint's content (see the module docstring), as hex."""
+    digest = hashlib.sha256()
+    _hash_value(digest, state)
+    return digest.hexdigest()
+
+
+def _hash_value(digest: Any, value: Any) -> None:
+    """Feed `value` into `digest`: type and shape first, so that differently nested values never collide."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        digest.update(f"tensor {data.dtype} {tuple(data.shape)}\n".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().data)
+    elif isinstance(value, dict):
+        digest.update(f"dict {len(value)}\n".encode())
+        for key, item in value.items():
+            _hash_value(digest, key)
+            _hash_value(digest, item)
+    elif isinstance(value, list | tuple):
+        digest.update(f"{type(value).__name__} {len(value)}\n".encode())
+        for item in value:
+            _hash_value(digest, item)
+    else:
+        digest.update(f"{type(value).__name__} {value!r}\n".encode())
+
+
+def load_checkpoint(
+    src: str | os.PathLike | IO[bytes] | dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> int:
+    """Restore model (and optimizer) state from `src` (a path, a binary file or a read dict); return the iteration."""
+    state = src if isinstance(src, dict) else read_checkpoint(src)
+    try:
+        unwrap_model(model).load_state_dict(strip_wrapper_prefixes(state[MODEL]))
+    except RuntimeError as e:
+        raise ScratchlmError(f"checkpoint does not fit the model: {e}") from None
+    if optimizer is not None:
+        if state.get(OPTIMIZER) is None:
+            raise ScratchlmError(
+                "checkpoint has no optimizer state (an imported model): start a new run from it"
+            )
+        optimizer.load_state_dict(_regrouped(state[OPTIMIZER], optimizer, unwrap_model(model)))
+    return int(state[STEP])
+
+
+def _regrouped(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> dict[str, Any]:
+    """A saved optimizer state in `optimizer`'s parameter groups. Checkpoints written before the parameters
+    were grouped by role (`scratchlm.training.optim.parameter_groups`) hold one group of all parameters, in
+    `model.parameters()` order; each parameter's state moves to the group it belongs to now, and every group
+    takes the saved hyperparameters."""
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) == len(groups) or len(saved["param_groups"]) != 1:
+        return saved  # already in this grouping (or a mismatch that load_state_dict reports)
+    old_index = {id(p): i for i, p in enumerate(model.parameters())}
+    (saved_group,) = saved["param_groups"]
+    hyperparameters = {k: v for k, v in saved_group.items() if k != "params"}
+    state, new_groups, index = {}, [], 0
+    for group in groups:
+        ids = []
+        for p in group["params"]:
+            if old_index[id(p)] in saved["state"]:
+                state[index] = saved["state"][old_index[id(p)]]
+            ids.append(index)
+            index += 1
+        own = {k: group[k] for k in ("name", "lr_scale") if k in group}
+        new_groups.append({**hyperparameters, **own, "params": ids})
+    return {"state": state, "param_groups": new_groups}
+
+
+@dataclass
+class Checkpoint:
+    """The typed content of a checkpoint file. `read` converts any checkpoint scratchlm has written (a key it
+    lacks takes its default), so the rest of the code never looks at the dict."""
+
+    model: dict[str, torch.Tensor]  # the state dict, unwrapped names
+    step: int
+    model_config: ModelConfig
+    optimizer: dict[str, Any] | None = None  # None: an imported model, which has none
+    train_config: dict[str, Any] = field(default_factory=dict)  # TrainConfig.to_dict(); empty when imported
+    tokenizer_fingerprint: str | None = None  # that of the tokenizer the model was trained with, when known
+    data_rng: dict[str, Any] | None = None  # the data-sampling generator's state after `step` steps
+    torch_rng: torch.Tensor | None = None
+    cuda_rng: torch.Tensor | None = None
+    elapsed_s: float = 0.0  # seconds of training over all sessions
+    tokens: int = 0
+    precision: str | None = None  # what training.precision resolved to
+    time_budget: dict[str, Any] | None = None  # the time budget's decision (scratchlm.training.budget)
+    imported_from: str | None = None  # the directory an imported model was read from
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, step: int, **fields: Any) -> Checkpoint:
+        """The checkpoint of `model` (unwrapped from compile / DDP) at `step`, with `fields`."""
+        model = unwrap_model(model)
+        return cls(model.state_dict(), int(step), model.config, **fields)  # type: ignore[arg-type]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: a failure leaves no file under `path`."""
+        state: dict[str, Any] = {
+            MODEL: self.model,
+            STEP: self.step,
+            MODEL_CONFIG: self.model_config.to_dict(),
+        }
+        optional = {
+            OPTIMIZER: self.optimizer,
+            TRAIN_CONFIG: self.train_config or None,
+            TOKENIZER_FINGERPRINT: self.tokenizer_fingerprint,
+            DATA_RNG: self.data_rng,
+            TORCH_RNG: self.torch_rng,
+            CUDA_RNG: self.cuda_rng,
+            ELAPSED: self.elapsed_s,
+            TOKENS: self.tokens,
+            PRECISION: self.precision,
+            TIME_BUDGET: self.time_budget,
+            IMPORTED_FROM: self.imported_from,
+        }
+        state.update({key: value for key, value in optional.items() if value is not None})
+        _write(state, path)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Checkpoint:
+        """The checkpoint at `path`, checked (see `read_checkpoint`); one without a model config cannot be
+        used on its own and is refused, naming the file."""
+        state = read_checkpoint(path)
+        if MODEL_CONFIG not in state:
+            raise ScratchlmError(f"checkpoint {path} has no model_config; cannot rebuild the model")
+        return cls(
+            model=strip_wrapper_prefixes(state[MODEL]),
+            step=int(state[STEP]),
+            model_config=ModelConfig.from_dict(state[MODEL_CONFIG]),
+            optimizer=state.get(OPTIMIZER),
+            train_config=state.get(TRAIN_CONFIG) or {},
+            tokenizer_fingerprint=state.get(TOKENIZER_FINGERPRINT),
+            data_rng=state.get(DATA_RNG),
+            torch_rng=state.get(TORCH_RNG),
+            cuda_rng=state.get(CUDA_RNG),
+            elapsed_s=float(state.get(ELAPSED, 0.0)),
+            tokens=int(state.get(TOKENS, 0)),
+            precision=state.get(PRECISION),
+            time_budget=state.get(TIME_BUDGET),
+            imported_from=state.get(IMPORTED_FROM),
+        )
+
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Put the weights (and the optimizer state) into `model` (and `optimizer`)."""
+        load_checkpoint({MODEL: self.model, OPTIMIZER: self.optimizer, STEP: self.step}, model, optimizer)

@@ -1,0 +1,154 @@
+"""The time budget (`training.max_time_s`) as part of the schedule, not only a stop.
+
+A schedule needs a step count, a budget gives seconds, and how many steps fit depends on the machine. A run
+that merely stopped when its time ran out would stop wherever it was, before its decay had begun when the
+machine is slower than its config assumed, and the decay is the part of a schedule that matters most. So a
+run with a budget decides its length while it trains:
+
+    steps 1 .. MEASURE_FROM         start-up: compilation, the allocator filling its pools (not measured)
+    steps MEASURE_FROM .. CALIBRATION_STEPS    measured: seconds per step, evaluations and checkpoints excluded
+    at step CALIBRATION_STEPS       total = CALIBRATION_STEPS + the steps that fit in the rest of the budget,
+                                    at most the config's own length (max_steps / max_tokens, when set)
+    then                            the schedule sized to `total` (WSD: warm-up, stable, decay; cosine: its
+                                    length), ending at its minimum rate on the last step, inside the budget
+
+The steps measured run at the rates of the schedule as first planned (the config's length, or an open-ended
+one). Before the decision is known only the warm-up is certain to be the same whatever the length, so the
+fast recipe warms up over at least `CALIBRATION_STEPS` steps; a shorter warm-up is allowed, and its measured
+steps then run at the planned schedule's rates.
+
+The decision (`BudgetDecision`) is recorded in every checkpoint saved after it and in the metrics log, so a
+resumed run continues the same schedule bit for bit, whatever the speed of the machine it resumes on. The
+budget also stays a hard limit: the run stops when it is spent, whatever the schedule says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from scratchlm.training.config import ScheduleConfig, TrainConfig
+from scratchlm.training.schedule import Schedule, build_schedule
+
+CALIBRATION_STEPS = 20  # the step where a budgeted run decides its length
+MEASURE_FROM = 5  # steps before it are start-up, not measured
+# The share of the remaining budget planned for training steps: the rest is for what the measured rate leaves
+# out (the periodic validation estimates and checkpoints, the final ones, a machine a little slower than it
+# was while measured).
+BUDGET_SHARE = 0.92
+# The length of a schedule before a budgeted run without max_steps or max_tokens has decided its own.
+OPEN_ENDED = 2**62
+
+
+def fit_steps(done: int, elapsed_s: float, budget_s: float, step_s: float) -> int:
+    """The total step count that fills `budget_s`: `done` steps taken in `elapsed_s` seconds, then as many as
+    fit in `BUDGET_SHARE` of the rest at `step_s` seconds per step."""
+    if step_s <= 0:
+        return done
+    return done + max(0, int(BUDGET_SHARE * (budget_s - elapsed_s) / step_s))
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """How long a budgeted run is: decided at `step`, after measuring `step_s` seconds per step, with
+    `elapsed_s` of the budget spent; the schedule then ends at `total_steps`."""
+
+    step: int
+    step_s: float
+    elapsed_s: float
+    total_steps: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> BudgetDecision:
+        return cls(
+            int(values["step"]),
+            float(values["step_s"]),
+            float(values["elapsed_s"]),
+            int(values["total_steps"]),
+        )
+
+
+class TimeBudget:
+    """The run's length and schedule, and, while a budgeted run has not decided them, the measurement that
+    will. `observe` is called after every step with the budget's clock (elapsed seconds over all sessions, and
+    the seconds of them spent outside training steps); it returns the decision on the step that makes it."""
+
+    def __init__(self, config: TrainConfig, decision: BudgetDecision | None = None) -> None:
+        self.seconds = config.training.max_time_s
+        self.planned = config.total_steps  # 0: as many as fit
+        self.schedule_config = config.schedule
+        self.lr, self.min_lr = config.optimizer.lr, config.optimizer.min_lr
+        self.decision = decision
+        self._window: tuple[int, float] | None = None  # (step, training seconds) where measuring began
+        self.schedule = self._schedule()
+
+    @property
+    def total_steps(self) -> int:
+        """The run's last step: the decided one, else the config's (open-ended while a budget decides it)."""
+        if self.decision is not None:
+            return self.decision.total_steps
+        return self.planned or OPEN_ENDED
+
+    @property
+    def deciding(self) -> bool:
+        """Whether the run still has to decide its length: a budget, and more planned steps than it measures."""
+        return (
+            self.decision is None
+            and self.seconds > 0
+            and (not self.planned or self.planned > CALIBRATION_STEPS)
+        )
+
+    def wants_clock(self, step: int, session_start: int) -> bool:
+        """Whether step `step` begins or ends the measurement (the caller then waits for the device first, so
+        that the clock sees the work done rather than the work queued)."""
+        if not self.deciding:
+            return False
+        return step == self._window_start(session_start) or step == self._decision_step(session_start)
+
+    def observe(
+        self, step: int, session_start: int, elapsed_s: float, paused_s: float
+    ) -> BudgetDecision | None:
+        """Record the clock after step `step`; at the decision step, decide and resize the schedule."""
+        if not self.deciding:
+            return None
+        training_s = elapsed_s - paused_s
+        if step == self._window_start(session_start):
+            self._window = (step, training_s)
+        if step != self._decision_step(session_start) or self._window is None:
+            return None
+        first, start_s = self._window
+        step_s = (training_s - start_s) / (step - first)
+        total = fit_steps(step, elapsed_s, self.seconds, step_s)
+        if self.planned:
+            total = min(total, self.planned)
+        self.decision = BudgetDecision(step, step_s, elapsed_s, total)
+        self.schedule = self._schedule()
+        return self.decision
+
+    def _window_start(self, session_start: int) -> int:
+        # A session's first step pays for compilation: a resumed session measures from its second.
+        return max(MEASURE_FROM, session_start + 1)
+
+    def _decision_step(self, session_start: int) -> int:
+        return max(CALIBRATION_STEPS, self._window_start(session_start) + MEASURE_FROM)
+
+    def _schedule(self) -> Schedule:
+        if self.decision is None:
+            return build_schedule(self.schedule_config, self.lr, self.min_lr, self.total_steps)
+        return build_schedule(
+            fitted(self.schedule_config, self.decision), self.lr, self.min_lr, self.total_steps
+        )
+
+
+def fitted(schedule: ScheduleConfig, decision: BudgetDecision) -> ScheduleConfig:
+    """The schedule sized to the decided length: it ends on the run's last step (a `cosine_cycle_iters`
+    beyond it is brought in), and a warm-up longer than the run ends a step before it, so that the last step
+    is at the minimum rate."""
+    total = decision.total_steps
+    end = min(schedule.cosine_cycle_iters or total, total)
+    warmup = min(schedule.warmup_iters, max(end - 1, 0))
+    return dataclasses.replace(schedule, cosine_cycle_iters=end, warmup_iters=warmup)

@@ -1,0 +1,164 @@
+"""The time budget sizes the schedule: measured speed, the steps that fit, the decay complete inside the
+budget, the decision kept across a resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from test_trainer import assert_same_state, final_state, records, small_config, token_files
+
+from scratchlm.cli import main
+from scratchlm.run import StopReason
+from scratchlm.training import trainer
+from scratchlm.training.budget import BUDGET_SHARE, CALIBRATION_STEPS, MEASURE_FROM, fit_steps
+from scratchlm.training.checkpoint import read_checkpoint
+from scratchlm.training.schedule import cosine_lr_schedule, wsd_lr_schedule
+from scratchlm.training.trainer import train
+
+LR, MIN_LR, BUDGET = 1e-2, 1e-3, 60.0
+
+
+class FakeClock:
+    """A clock that only training steps move: `step_s` seconds each (evaluation and checkpoints take none)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s, self.steps = 1000.0, step_s, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch: pytest.MonkeyPatch, interrupt_at: int | None = None) -> None:
+        clip = trainer.clip_grad_norm
+
+        def a_step_that_takes_time(*args, **kwargs):  # called once per optimizer step
+            self.now += self.step_s
+            self.steps += 1
+            if self.steps == interrupt_at:
+                signal.raise_signal(signal.SIGINT)
+            return clip(*args, **kwargs)
+
+        monkeypatch.setattr(trainer, "clock", self)
+        monkeypatch.setattr(trainer, "clip_grad_norm", a_step_that_takes_time)
+
+
+def budget_config(tmp_path, run: str, kind: str = "wsd"):
+    return small_config(
+        tmp_path,
+        run,
+        optimizer={"lr": LR, "min_lr": MIN_LR},
+        schedule={
+            "kind": kind,
+            "warmup_iters": CALIBRATION_STEPS,
+            "cosine_cycle_iters": 0,
+            "decay_fraction": 0.5,
+        },
+        training={"batch_size": 4, "max_steps": 0, "max_time_s": BUDGET, "device": "cpu"},
+        eval={"interval": 0, "iters": 1},
+        checkpoint={"interval": 50, "keep": 5},
+    )
+
+
+def expected_total(step_s: float) -> int:
+    # Steps 1..20 took 20 step_s; the rest of the budget, less the margin, at step_s each.
+    return CALIBRATION_STEPS + int(BUDGET_SHARE * (BUDGET - CALIBRATION_STEPS * step_s) / step_s)
+
+
+@pytest.mark.parametrize("kind", ["wsd", "cosine"])
+def test_the_schedule_fits_the_budget_and_ends_at_its_minimum(tmp_path, monkeypatch, kind):
+    clock = FakeClock(0.5)
+    clock.install(monkeypatch)
+    summary = train(budget_config(tmp_path, "run", kind))
+    total = expected_total(0.5)
+    assert total == 112  # 20 + int(0.92 × 50 s / 0.5 s)
+    assert summary.steps == total and summary.stopped is StopReason.FINISHED
+    assert summary.wall_time_s == pytest.approx(total * 0.5) and summary.wall_time_s <= BUDGET
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "run", "lr")}
+    assert sorted(lrs) == list(range(1, total + 1))
+    assert lrs[total] == pytest.approx(MIN_LR)
+    for step, lr in lrs.items():  # every step at the rate of the schedule sized to `total` steps
+        if kind == "wsd":
+            assert lr == pytest.approx(wsd_lr_schedule(step, LR, MIN_LR, CALIBRATION_STEPS, total, 0.5))
+        else:
+            assert lr == pytest.approx(cosine_lr_schedule(step, LR, MIN_LR, CALIBRATION_STEPS, total))
+    (decision,) = records(tmp_path / "run", "time_budget")
+    assert decision["time_budget"] == {
+        "step": CALIBRATION_STEPS,
+        "step_s": 0.5,
+        "elapsed_s": CALIBRATION_STEPS * 0.5,
+        "total_steps": total,
+    }
+    assert (
+        read_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{total:08d}.pt")["time_budget"]
+        == (decision["time_budget"])
+    )
+
+
+def test_a_slower_machine_fits_fewer_steps_and_a_max_steps_caps_them(tmp_path, monkeypatch):
+    FakeClock(1.0).install(monkeypatch)
+    assert train(budget_config(tmp_path, "slow")).steps == expected_total(1.0) == 56
+    FakeClock(0.5).install(monkeypatch)
+    capped = budget_config(tmp_path, "capped").replace(training={"max_steps": 80})
+    summary = train(capped)
+    assert summary.steps == 80
+    assert records(tmp_path / "capped", "lr")[-1]["lr"] == pytest.approx(MIN_LR)
+
+
+def test_a_resume_continues_the_decided_schedule_on_a_faster_machine(tmp_path, monkeypatch):
+    FakeClock(0.5).install(monkeypatch)
+    train(budget_config(tmp_path, "straight"))
+    FakeClock(0.5).install(monkeypatch, interrupt_at=60)
+    with pytest.raises(KeyboardInterrupt):
+        train(budget_config(tmp_path, "resumed"))
+    assert (tmp_path / "resumed" / "checkpoints" / "step_00000060.pt").exists()
+    FakeClock(0.125).install(monkeypatch)  # four times faster: the recorded decision stands
+    summary = train(budget_config(tmp_path, "resumed"), resume=True)
+    assert summary.steps == expected_total(0.5)
+    assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"))
+    straight, resumed = records(tmp_path / "straight", "lr"), records(tmp_path / "resumed", "lr")
+    assert [r["lr"] for r in straight] == [r["lr"] for r in resumed]
+
+
+def test_the_budget_stays_a_hard_limit(tmp_path, monkeypatch):
+    """A machine that slows down after the measurement is stopped by the budget, with a checkpoint."""
+    clock = FakeClock(0.5)
+    clock.install(monkeypatch)
+    measured_step = trainer.clip_grad_norm
+
+    def four_times_slower_after_the_decision(*args, **kwargs):
+        if clock.steps >= CALIBRATION_STEPS:
+            clock.now += 1.5
+        return measured_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "clip_grad_norm", four_times_slower_after_the_decision)
+    summary = train(budget_config(tmp_path, "run"))
+    assert summary.stopped is StopReason.TIME_BUDGET and summary.steps < expected_total(0.5)
+    assert 60 < summary.wall_time_s <= 62  # stopped by the first step past the budget
+    assert (tmp_path / "run" / "checkpoints" / f"step_{summary.steps:08d}.pt").exists()
+
+
+def test_fit_steps_by_hand():
+    assert fit_steps(20, 10.0, 60.0, 0.5) == 20 + 92
+    assert fit_steps(20, 70.0, 60.0, 0.5) == 20  # the budget is spent: no more steps
+    assert MEASURE_FROM < CALIBRATION_STEPS
+
+
+@pytest.mark.slow
+def test_train_with_a_two_minute_budget_on_the_real_clock(tmp_path):
+    """`scratchlm train --set training.max_time_s=120` on the tiny config: the run ends inside the budget
+    (nothing is compiled on a CPU), at the schedule's minimum rate on its last step."""
+    train_file, valid_file = token_files(tmp_path)
+    run = tmp_path / "run"
+    args = [
+        "train", "--config", "configs/tiny.toml", "--set", f"data.train={train_file}",
+        "--set", f"data.valid={valid_file}", "--set", "training.max_steps=0", "--set", "training.max_time_s=120",
+        "--set", "training.device=cpu", "--set", f"logging.run_dir={run}", "--set", "logging.log_interval=1",
+    ]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped"] == "finished" and summary["wall_time_s"] <= 120
+    last = records(run, "lr")[-1]
+    assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(3e-4)
+    assert torch.isfinite(torch.tensor(summary["final_val_loss"]))
