@@ -317,5 +317,6 @@ def test_the_thread_count_follows_the_load_while_training(monkeypatch):
         assert tuner.update() is None
         assert "1 → 2" in tuner.update() and torch.get_num_threads() == 2
         assert ThreadTuner(Choice(2, "training.threads = 2")).update() is None
+        assert not ThreadTuner(Choice(2, "2 usable cores, free", measured=True), compiled=True).enabled
     finally:
         torch.set_num_threads(1)

@@ -145,11 +145,13 @@ class ThreadTuner:
     the last call, how many cores of this process's CPUs were busy (/proc/stat) less what this process itself
     used (`os.times`): the rest is other processes. The count becomes the usable cores they leave free. The
     first interval only sets the mark: it holds compilation, whose worker processes would count as others.
-    Off when the user chose the count, or where /proc/stat is missing."""
+    Off when the user chose the count, where /proc/stat is missing, and for a compiled model: torch.compile
+    specialises a CPU graph to the thread count, so a change recompiles it (measured on the quickstart: one
+    interval of 5 steps took 70 s instead of 4)."""
 
-    def __init__(self, choice: Choice) -> None:
+    def __init__(self, choice: Choice, compiled: bool = False) -> None:
         self.usable = usable_cores()
-        self.enabled = choice.value is not None and choice.measured
+        self.enabled = choice.value is not None and choice.measured and not compiled
         self.marks: tuple[dict[int, tuple[int, int]], float, float] | None = None
 
     def _mark(self) -> tuple[dict[int, tuple[int, int]], float, float]:

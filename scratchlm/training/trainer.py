@@ -537,7 +537,7 @@ class _Run:
             )
         self.session_start = clock()
         self.interval = _Interval(self.device)
-        self.threads = ThreadTuner(self.choices.threads)
+        self.threads = ThreadTuner(self.choices.threads, compiled=self.choices.compile.value)
 
     def _elapsed(self) -> float:
         """Seconds of training in this run, over all its sessions."""
