@@ -11,10 +11,11 @@ over the last `window` tokens; in deeper ones the cached keys and values of laye
 when older tokens were still visible, so they carry information from beyond the window (the receptive field
 grows by a window per layer), and the logits differ from a forward pass over the last `window` tokens alone.
 
-Keys are stored *before* the position encoding (`ModelConfig.positions`), and the attention layer encodes the
-whole window on every call with positions counted from the window's start. The cache itself knows nothing of
-positions. For RoPE, whose scores depend only on the distance between two tokens, this gives the same scores
-as absolute positions would, and the positions never leave the RoPE table however long the generation runs.
+Keys are stored *after* the position encoding (`ModelConfig.positions`), each at its absolute position (the
+count of tokens before it, `LayerKVCache.seen`): a decode step encodes its new token's query and key only,
+never the cached window again, and the cached keys are exactly those a forward pass over the whole sequence
+computes. (Generation never decodes past the context with a cache, so the positions stay within the RoPE
+table; past it, the angles are computed on the spot.)
 
     cache = model.new_kv_cache(batch_size=1)
     logits = model(prompt_ids, kv_cache=cache)        # prefill: (1, prompt_len, vocab)
@@ -38,13 +39,14 @@ from scratchlm.errors import ScratchlmError
 
 
 class LayerKVCache:
-    """One attention layer's cached keys (before the position encoding) and values, `(batch, kv_heads, ≤ window,
+    """One attention layer's cached keys (after the position encoding) and values, `(batch, kv_heads, ≤ window,
     d_k)` each: under grouped-query attention only the `num_kv_heads` key/value heads are kept."""
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.seen = 0  # tokens appended so far: the position of the next one
 
     def append(
         self,
@@ -53,6 +55,7 @@ class LayerKVCache:
     ) -> tuple[Float[Tensor, "batch kv_heads window d_k"], Float[Tensor, "batch kv_heads window d_k"]]:
         """Append the new tokens' keys and values, drop what falls out of the window, return the window.
         Several new tokens share one window: the last sees `window` tokens, the earlier ones fewer."""
+        self.seen += keys.shape[-2]
         if self.keys is not None and self.values is not None:
             keys = torch.cat((self.keys, keys), dim=-2)
             values = torch.cat((self.values, values), dim=-2)
@@ -61,10 +64,11 @@ class LayerKVCache:
 
     def attention_layout(
         self,
-    ) -> tuple[Int[Tensor, "batch 1 new"] | None, Bool[Tensor, "batch 1 new keys"] | None]:
-        """The new queries' positions and the keys each may attend to, for a cache whose rows differ; `(None,
-        None)` here: the new tokens are the last of the window, for every row, and attend causally."""
-        return None, None
+    ) -> tuple[int | Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"] | None]:
+        """Before `append`: the new tokens' positions and the keys each may attend to. Here the first new
+        token's position, the same for every row, and no mask: the new tokens are the last of the window and
+        attend causally. (A `PaddedKVCache` layer gives a position and a mask per row.)"""
+        return self.seen, None
 
 
 class KVCache:
@@ -158,7 +162,7 @@ class PaddedKVCache:
 
 
 class PaddedLayerKVCache:
-    """One layer's rows of a `PaddedKVCache`: keys (before the position encoding) and values,
+    """One layer's rows of a `PaddedKVCache`: keys (after the position encoding) and values,
     `(max_rows, kv_heads, window, d_k)` each."""
 
     def __init__(self, owner: PaddedKVCache, keys: Tensor, values: Tensor) -> None:
