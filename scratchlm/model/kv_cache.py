@@ -106,7 +106,10 @@ class PaddedKVCache:
         self.window, self.max_rows = window, max_rows
         self.batch_size = 0  # the rows in use: 0 .. batch_size - 1
         self.lengths = [0] * max_rows
-        self._layout: tuple[Tensor, Tensor, int] | None = None  # positions, mask, keys: for the current step
+        # For the current step: the rows, their positions, their keys' mask and the keys the step reads.
+        self._layout: tuple[Tensor, Tensor, Tensor, int] | None = None
+        self._key_index = torch.arange(window, device=device)
+        self._rows = torch.arange(max_rows, device=device)
         shape = (max_rows, kv_heads, window, d_k)
         # Zeros, not empty: a masked key's probability is exactly 0, and 0 times a finite value is 0.
         self.layers = [
@@ -143,18 +146,20 @@ class PaddedKVCache:
             self.lengths[row] += num_new
         self._layout = None
 
-    def layout(self) -> tuple[Int[Tensor, " batch"], Bool[Tensor, "batch 1 1 keys"], int]:
-        """For this step: each row's new position (its length), which keys each row's query sees (its own
-        tokens and the new one), and how many keys the longest row has (the window the step computes on)."""
+    def layout(
+        self,
+    ) -> tuple[Int[Tensor, " batch"], Int[Tensor, " batch"], Bool[Tensor, "batch 1 1 keys"], int]:
+        """For this step (computed once, for every layer): the rows in use, each row's new position (its
+        length), which keys each row's query sees (its own tokens and the new one), and how many keys the
+        longest row has (the window the step computes on)."""
         if self._layout is None:
             lengths = self.lengths[: self.batch_size]
             if max(lengths) >= self.window:
                 raise ScratchlmError(f"a row of the cache is full ({self.window} tokens)")
-            device = self.layers[0].keys.device
-            positions = torch.tensor(lengths, device=device)
+            positions = torch.tensor(lengths, device=self._key_index.device)
             num_keys = max(lengths) + 1
-            mask = torch.arange(num_keys, device=device) <= positions[:, None]
-            self._layout = positions, mask[:, None, None, :], num_keys
+            mask = self._key_index[:num_keys] <= positions[:, None]
+            self._layout = self._rows[: self.batch_size], positions, mask[:, None, None, :], num_keys
         return self._layout
 
     def __repr__(self) -> str:
@@ -176,13 +181,12 @@ class PaddedLayerKVCache:
         """Write each row's new key and value at that row's length; return the rows up to the longest."""
         if keys.shape[-2] != 1:
             raise ScratchlmError(f"a padded cache takes one new token per row, got {keys.shape[-2]}")
-        positions, _, num_keys = self.owner.layout()
-        rows = torch.arange(keys.shape[0], device=keys.device)
+        rows, positions, _, num_keys = self.owner.layout()
         self.keys[rows, :, positions] = keys[:, :, 0]
         self.values[rows, :, positions] = values[:, :, 0]
         return self.keys[: len(rows), :, :num_keys], self.values[: len(rows), :, :num_keys]
 
     def attention_layout(self) -> tuple[Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"]]:
         """Row r's query is at position `lengths[r]` and sees keys `0 .. lengths[r]`."""
-        positions, mask, _ = self.owner.layout()
+        _, positions, mask, _ = self.owner.layout()
         return positions[:, None, None], mask

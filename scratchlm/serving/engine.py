@@ -271,14 +271,18 @@ class Engine:
         groups: dict[tuple[float, float], list[int]] = {}
         for row, sequence in enumerate(sequences):
             groups.setdefault((sequence.request.temperature, sequence.request.top_p), []).append(row)
-        tokens = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
+        drawn: list[Tensor] = [logits] * len(sequences)  # each row's token id, shape (1,)
         for (temperature, top_p), rows in groups.items():
+            group_logits = logits if len(rows) == len(sequences) else logits[rows]
             if temperature == 0:
-                tokens[rows] = sample_next_token(logits[rows], 0.0, top_p)
+                greedy = sample_next_token(group_logits, 0.0, top_p)
+                for i, row in enumerate(rows):
+                    drawn[row] = greedy[i : i + 1]
                 continue
-            probs = next_token_probs(logits[rows], temperature, top_p)
+            probs = next_token_probs(group_logits, temperature, top_p)
             for i, row in enumerate(rows):
-                tokens[row] = draw(probs[i : i + 1], sequences[row].generator)[0]
+                drawn[row] = draw(probs[i : i + 1], sequences[row].generator)
+        tokens = torch.cat(drawn)
         for row, (sequence, token_id) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
             request = sequence.request
             logprob = None
