@@ -151,3 +151,20 @@ def test_seed_reproduces_samples_and_shapes() -> None:
 def test_bad_options_are_user_errors(options: dict, message: str) -> None:
     with pytest.raises(ScratchlmError, match=message):
         sample_next_token(torch.randn(5), **options)
+
+
+def test_top_p_filter_matches_a_stable_float_sort_of_each_row():
+    # The filter sorts all rows at once as integers; the result must be the per-row float sort's, ties included.
+    def per_row(probs, p):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_ahead >= p, 0.0))
+        return kept / kept.sum(dim=-1, keepdim=True)
+
+    generator = torch.Generator().manual_seed(0)
+    for shape, scale in [((16, 1000), 0.1), ((3, 61), 1.0), ((2, 3, 50), 5.0), ((61,), 30.0)]:
+        probs = torch.softmax(torch.randn(shape, generator=generator) * scale, dim=-1)
+        tied = probs.round(decimals=2) + 1e-3  # many equal probabilities
+        for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
+            for p in (0.3, 0.9, 0.999):
+                assert torch.equal(top_p_filter(x, p), per_row(x, p))

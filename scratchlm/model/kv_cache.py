@@ -11,10 +11,11 @@ over the last `window` tokens; in deeper ones the cached keys and values of laye
 when older tokens were still visible, so they carry information from beyond the window (the receptive field
 grows by a window per layer), and the logits differ from a forward pass over the last `window` tokens alone.
 
-Keys are stored *before* the position encoding (`ModelConfig.positions`), and the attention layer encodes the
-whole window on every call with positions counted from the window's start. The cache itself knows nothing of
-positions. For RoPE, whose scores depend only on the distance between two tokens, this gives the same scores
-as absolute positions would, and the positions never leave the RoPE table however long the generation runs.
+Keys are stored *after* the position encoding (`ModelConfig.positions`), each at its absolute position (the
+count of tokens before it, `LayerKVCache.seen`): a decode step encodes its new token's query and key only,
+never the cached window again, and the cached keys are exactly those a forward pass over the whole sequence
+computes. (Generation never decodes past the context with a cache, so the positions stay within the RoPE
+table; past it, the angles are computed on the spot.)
 
     cache = model.new_kv_cache(batch_size=1)
     logits = model(prompt_ids, kv_cache=cache)        # prefill: (1, prompt_len, vocab)
@@ -38,13 +39,14 @@ from scratchlm.errors import ScratchlmError
 
 
 class LayerKVCache:
-    """One attention layer's cached keys (before the position encoding) and values, `(batch, kv_heads, ≤ window,
+    """One attention layer's cached keys (after the position encoding) and values, `(batch, kv_heads, ≤ window,
     d_k)` each: under grouped-query attention only the `num_kv_heads` key/value heads are kept."""
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.seen = 0  # tokens appended so far: the position of the next one
 
     def append(
         self,
@@ -53,6 +55,7 @@ class LayerKVCache:
     ) -> tuple[Float[Tensor, "batch kv_heads window d_k"], Float[Tensor, "batch kv_heads window d_k"]]:
         """Append the new tokens' keys and values, drop what falls out of the window, return the window.
         Several new tokens share one window: the last sees `window` tokens, the earlier ones fewer."""
+        self.seen += keys.shape[-2]
         if self.keys is not None and self.values is not None:
             keys = torch.cat((self.keys, keys), dim=-2)
             values = torch.cat((self.values, values), dim=-2)
@@ -61,10 +64,11 @@ class LayerKVCache:
 
     def attention_layout(
         self,
-    ) -> tuple[Int[Tensor, "batch 1 new"] | None, Bool[Tensor, "batch 1 new keys"] | None]:
-        """The new queries' positions and the keys each may attend to, for a cache whose rows differ; `(None,
-        None)` here: the new tokens are the last of the window, for every row, and attend causally."""
-        return None, None
+    ) -> tuple[int | Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"] | None]:
+        """Before `append`: the new tokens' positions and the keys each may attend to. Here the first new
+        token's position, the same for every row, and no mask: the new tokens are the last of the window and
+        attend causally. (A `PaddedKVCache` layer gives a position and a mask per row.)"""
+        return self.seen, None
 
 
 class KVCache:
@@ -102,7 +106,10 @@ class PaddedKVCache:
         self.window, self.max_rows = window, max_rows
         self.batch_size = 0  # the rows in use: 0 .. batch_size - 1
         self.lengths = [0] * max_rows
-        self._layout: tuple[Tensor, Tensor, int] | None = None  # positions, mask, keys: for the current step
+        # For the current step: the rows, their positions, their keys' mask and the keys the step reads.
+        self._layout: tuple[Tensor, Tensor, Tensor, int] | None = None
+        self._key_index = torch.arange(window, device=device)
+        self._rows = torch.arange(max_rows, device=device)
         shape = (max_rows, kv_heads, window, d_k)
         # Zeros, not empty: a masked key's probability is exactly 0, and 0 times a finite value is 0.
         self.layers = [
@@ -139,18 +146,20 @@ class PaddedKVCache:
             self.lengths[row] += num_new
         self._layout = None
 
-    def layout(self) -> tuple[Int[Tensor, " batch"], Bool[Tensor, "batch 1 1 keys"], int]:
-        """For this step: each row's new position (its length), which keys each row's query sees (its own
-        tokens and the new one), and how many keys the longest row has (the window the step computes on)."""
+    def layout(
+        self,
+    ) -> tuple[Int[Tensor, " batch"], Int[Tensor, " batch"], Bool[Tensor, "batch 1 1 keys"], int]:
+        """For this step (computed once, for every layer): the rows in use, each row's new position (its
+        length), which keys each row's query sees (its own tokens and the new one), and how many keys the
+        longest row has (the window the step computes on)."""
         if self._layout is None:
             lengths = self.lengths[: self.batch_size]
             if max(lengths) >= self.window:
                 raise ScratchlmError(f"a row of the cache is full ({self.window} tokens)")
-            device = self.layers[0].keys.device
-            positions = torch.tensor(lengths, device=device)
+            positions = torch.tensor(lengths, device=self._key_index.device)
             num_keys = max(lengths) + 1
-            mask = torch.arange(num_keys, device=device) <= positions[:, None]
-            self._layout = positions, mask[:, None, None, :], num_keys
+            mask = self._key_index[:num_keys] <= positions[:, None]
+            self._layout = self._rows[: self.batch_size], positions, mask[:, None, None, :], num_keys
         return self._layout
 
     def __repr__(self) -> str:
@@ -158,7 +167,7 @@ class PaddedKVCache:
 
 
 class PaddedLayerKVCache:
-    """One layer's rows of a `PaddedKVCache`: keys (before the position encoding) and values,
+    """One layer's rows of a `PaddedKVCache`: keys (after the position encoding) and values,
     `(max_rows, kv_heads, window, d_k)` each."""
 
     def __init__(self, owner: PaddedKVCache, keys: Tensor, values: Tensor) -> None:
@@ -172,13 +181,12 @@ class PaddedLayerKVCache:
         """Write each row's new key and value at that row's length; return the rows up to the longest."""
         if keys.shape[-2] != 1:
             raise ScratchlmError(f"a padded cache takes one new token per row, got {keys.shape[-2]}")
-        positions, _, num_keys = self.owner.layout()
-        rows = torch.arange(keys.shape[0], device=keys.device)
+        rows, positions, _, num_keys = self.owner.layout()
         self.keys[rows, :, positions] = keys[:, :, 0]
         self.values[rows, :, positions] = values[:, :, 0]
         return self.keys[: len(rows), :, :num_keys], self.values[: len(rows), :, :num_keys]
 
     def attention_layout(self) -> tuple[Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"]]:
         """Row r's query is at position `lengths[r]` and sees keys `0 .. lengths[r]`."""
-        positions, mask, _ = self.owner.layout()
+        _, positions, mask, _ = self.owner.layout()
         return positions[:, None, None], mask

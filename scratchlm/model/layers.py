@@ -349,7 +349,27 @@ class RotaryPositionalEmbedding(nn.Module):
     def forward(
         self, x: Float[Tensor, "... seq d_k"], token_positions: Int[Tensor, "... seq"]
     ) -> Float[Tensor, "... seq d_k"]:
-        cos, sin = self.cos[token_positions], self.sin[token_positions]  # (... seq, d_k/2)
+        return self._rotate(x, self.cos[token_positions], self.sin[token_positions])
+
+    def encode_from(self, x: Float[Tensor, "... seq d_k"], start: int) -> Float[Tensor, "... seq d_k"]:
+        """`forward` at the consecutive positions `start, start + 1, …`: a slice of the table rather than a
+        gather. Positions past the table (a KV cache decoding beyond the context, whose sliding window keeps
+        counting) get their angles computed on the spot, in float64 as the table's are."""
+        stop = start + x.shape[-2]
+        if stop <= self.max_seq_len:
+            return self._rotate(x, self.cos[start:stop], self.sin[start:stop])
+        inv_freq = self.theta ** (
+            -torch.arange(0, self.d_k, 2, dtype=torch.float64, device=x.device) / self.d_k
+        )
+        angles = torch.outer(torch.arange(start, stop, dtype=torch.float64, device=x.device), inv_freq)
+        return self._rotate(x, angles.cos().float(), angles.sin().float())
+
+    @staticmethod
+    def _rotate(
+        x: Float[Tensor, "... seq d_k"],
+        cos: Float[Tensor, "... seq half"],
+        sin: Float[Tensor, "... seq half"],
+    ) -> Float[Tensor, "... seq d_k"]:
         pairs = _at_least_float32(rearrange(x, "... (half two) -> ... half two", two=2))
         even, odd = pairs[..., 0], pairs[..., 1]
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
@@ -368,12 +388,15 @@ class NoPositionEncoding(nn.Module):
     ) -> Float[Tensor, "... seq d_k"]:
         return x
 
+    def encode_from(self, x: Float[Tensor, "... seq d_k"], start: int) -> Float[Tensor, "... seq d_k"]:
+        return x
+
 
 def position_encoding(config: ModelConfig, device: Device = None) -> nn.Module:
     """The position encoding `config.positions` names, applied to queries and keys: a module called as
-    `encoding(x, token_positions)`. The KV cache keeps keys before it and it is applied to the whole window on
-    every call, with positions counted from the window's start, which is exact for any encoding whose
-    attention scores depend only on the distance between two tokens (RoPE, NoPE)."""
+    `encoding(x, token_positions)`, or `encoding.encode_from(x, start)` for the consecutive positions from
+    `start` on. The KV cache keeps keys already encoded, at their absolute positions, so a decode step
+    encodes only its new tokens."""
     if config.positions == "rope":
         return RotaryPositionalEmbedding(config.rope_theta, config.head_dim, config.context_length, device)
     return NoPositionEncoding()
@@ -399,10 +422,10 @@ class MultiHeadSelfAttention(nn.Module):
     `num_kv_heads` heads, and query heads `g·G … g·G + G − 1` (`G = num_heads / num_kv_heads`) all attend with
     key/value head g: the projections and the KV cache shrink by G, the scores do not.
 
-    With a `kv_cache` (one layer's `LayerKVCache`), `x` holds only the new tokens: their keys and values are
-    appended to the cached ones (a sliding window of at most `context_length` tokens), and they attend to the
-    whole window and causally among themselves. Positions are counted from the window's start; RoPE scores
-    depend only on distances, so this equals rotating by absolute positions.
+    With a `kv_cache` (one layer's `LayerKVCache`), `x` holds only the new tokens: their queries and keys are
+    encoded at their absolute positions (the tokens the cache has seen so far), their keys and values are
+    appended to the cached ones (keys cached already encoded, so the cached window is never encoded again),
+    and they attend to the whole window and causally among themselves.
 
     `config.attention` picks the computation: the FlashAttention-2 Triton kernel (`scratchlm.kernels`; on a
     CUDA device, with or without a KV cache) or `causal_attention` (anywhere). "auto" takes the kernel for
@@ -487,23 +510,23 @@ class MultiHeadSelfAttention(nn.Module):
         v = rearrange(values, split_heads, heads=self.num_kv_heads)
         if self.q_norm is not None:  # per token, so keys are cached normalised
             q, k = self.q_norm(q), self.k_norm(k)
+        mask = None
         if kv_cache is not None:
             if token_positions is not None:
                 raise ScratchlmError(
                     "with a KV cache, positions come from the cache; token_positions must be None"
                 )
-            # The cache holds keys before the position encoding: the window is encoded afresh each call.
+            # The new tokens' positions: the first one's (the same for every row), or each row's (a cache
+            # whose rows have different lengths, which also gives the keys each row's query may see).
+            start, mask = kv_cache.attention_layout()
+            if isinstance(start, int):
+                q, k = self.positions.encode_from(q, start), self.positions.encode_from(k, start)
+            else:
+                q, k = self.positions(q, start), self.positions(k, start)
+            # The cache keeps keys already encoded: only the new tokens' are encoded, at every step.
             k, v = kv_cache.append(k, v)
-        # A cache whose rows have different lengths gives each row's query positions and key mask.
-        query_positions, mask = (None, None) if kv_cache is None else kv_cache.attention_layout()
-
-        if token_positions is None:
-            # Query i of the `seq` new tokens is token `keys - seq + i` of the key sequence.
-            num_keys = k.shape[-2]
-            key_index = torch.arange(num_keys, device=x.device)
-            if query_positions is None:
-                query_positions = key_index[num_keys - q.shape[-2] :]
-            q, k = self.positions(q, query_positions), self.positions(k, key_index)
+        elif token_positions is None:
+            q, k = self.positions.encode_from(q, 0), self.positions.encode_from(k, 0)
         else:
             positions = rearrange(token_positions, "... seq -> ... 1 seq")  # the same for every head
             q, k = self.positions(q, positions), self.positions(k, positions)
