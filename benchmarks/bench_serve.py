@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from scratchlm.device import apply_threads
+from scratchlm.device.choices import choose_threads
 from scratchlm.generation.generate import generate_stream
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
@@ -89,10 +91,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads (default: what `scratchlm serve` chooses here)"
+    )
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = choose_threads(args.threads)  # as `scratchlm serve` does: the free cores, or --threads
+    apply_threads(threads.value)
+    print(f"{threads.value} threads: {threads.reason}")
 
     torch.manual_seed(0)
     config = ModelConfig()
