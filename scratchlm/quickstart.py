@@ -360,7 +360,7 @@ def train_within_budget(
     config = train_config(size, data, run_dir, seconds, device, size.max_steps or 0, recipe)
     _check_recipe(run, config, recipe)
     summary = run.summary()
-    if summary is not None and summary.stopped is not StopReason.INTERRUPTED:
+    if summary is not None and summary.stopped not in (StopReason.INTERRUPTED, StopReason.DIVERGED):
         console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
         return summary
     summary = train(config, resume=run.latest_checkpoint() is not None)

@@ -101,9 +101,34 @@ def _write(state: dict[str, Any], out: str | os.PathLike | IO[bytes]) -> None:
     state[CHECKSUM_KEY] = content_digest(state)
     if isinstance(out, str | os.PathLike):
         with atomic_write(out, "wb") as f:
-            torch.save(state, f)
+            writer = _Writer(f)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:
+                # torch.save turns the OSError of a failed write (a full disk) into an opaque RuntimeError;
+                # the OSError itself is what `atomic_write` reports as a one-line fault.
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
     else:
         torch.save(state, out)
+
+
+class _Writer:
+    """A file for `torch.save` that keeps the OSError of a failed write, which torch.save hides."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> dict[str, Any]:

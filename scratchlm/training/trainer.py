@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +130,16 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
     finished = False
     run: _Run | None = None
     try:
+        # The batch and the data are checked before the run directory is claimed: a run refused for either
+        # leaves nothing behind.
+        if t.batch_size % (dist_info.world_size * t.grad_accum):
+            raise ScratchlmError(
+                f"training.batch_size ({t.batch_size}) must be divisible by processes × grad_accum "
+                f"({dist_info.world_size} × {t.grad_accum})"
+            )
+        data = load_training_data(config)
         with RunDirectory(config.logging.run_dir).lock() if dist_info.is_main else contextlib.nullcontext():
-            run = _Run(config, dist_info, device, choices, resume, allow_config_change)
+            run = _Run(config, data, dist_info, device, choices, resume, allow_config_change)
             summary = run.run()
         finished = True
         return summary
@@ -188,12 +197,45 @@ class _Interval:
         return tokens_per_s
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What a run reads: the training and validation tokens (memory-mapped, checked against the model's
+    vocabulary) and the tokenizer of `data.tokenizer`, if set, checked against the model and against the copy
+    in the run directory, which a resumed run must not change."""
+
+    train: np.ndarray
+    valid: np.ndarray
+    tokenizer: Tokenizer | None
+
+
+def load_training_data(config: TrainConfig) -> TrainingData:
+    m = config.model
+    train_tokens = load_tokens(config.data.train, m.vocab_size, m.context_length)
+    valid_tokens = load_tokens(config.data.valid, m.vocab_size, m.context_length)
+    return TrainingData(train_tokens, valid_tokens, _load_tokenizer(config))
+
+
+def _load_tokenizer(config: TrainConfig) -> Tokenizer | None:
+    if not config.data.tokenizer:
+        return None
+    tokenizer = Tokenizer.from_dir(config.data.tokenizer)
+    check_pair(config.model, tokenizer, None, f"data.tokenizer {config.data.tokenizer}", "[model]")
+    copy = RunDirectory(config.logging.run_dir).path / TOKENIZER_DIR
+    if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
+        raise ScratchlmError(
+            f"data.tokenizer {config.data.tokenizer} is not the tokenizer this run was trained with "
+            f"({copy}); use another logging.run_dir"
+        )
+    return tokenizer
+
+
 class _Run:
     """One session of a run: built from the config (and the latest checkpoint when resuming), then `run()`."""
 
     def __init__(
         self,
         config: TrainConfig,
+        data: TrainingData,
         dist_info: Distributed,
         device: torch.device,
         choices: Plan,
@@ -206,18 +248,11 @@ class _Run:
         self.run_dir = RunDirectory(config.logging.run_dir)
         self.context = m.context_length
         sequences_per_process = t.batch_size // dist_info.world_size
-        if t.batch_size % (dist_info.world_size * t.grad_accum):
-            raise ScratchlmError(
-                f"training.batch_size ({t.batch_size}) must be divisible by processes × grad_accum "
-                f"({dist_info.world_size} × {t.grad_accum})"
-            )
         self.micro_batch = sequences_per_process // t.grad_accum
         self.eval_batch = config.eval.batch_size or t.batch_size
         self.tokens_per_step = t.batch_size * self.context
 
-        self.train_tokens = load_tokens(config.data.train, m.vocab_size, self.context)
-        self.valid_tokens = load_tokens(config.data.valid, m.vocab_size, self.context)
-        self.tokenizer = self._load_tokenizer()
+        self.train_tokens, self.valid_tokens, self.tokenizer = data.train, data.valid, data.tokenizer
 
         torch.manual_seed(t.seed)
         self.model = TransformerLM.from_config(m, device=device)
@@ -251,23 +286,6 @@ class _Run:
         self.final_val_loss: float | None = None
         self.last_eval: int | None = None
         self.logger: MetricsLogger | None = None
-
-    def _load_tokenizer(self) -> Tokenizer | None:
-        """The tokenizer of `data.tokenizer` (if set), checked against the model's vocabulary and against the
-        run directory's copy of it, which a resumed run must not change."""
-        if not self.config.data.tokenizer:
-            return None
-        tokenizer = Tokenizer.from_dir(self.config.data.tokenizer)
-        check_pair(
-            self.config.model, tokenizer, None, f"data.tokenizer {self.config.data.tokenizer}", "[model]"
-        )
-        copy = self.run_dir.path / TOKENIZER_DIR
-        if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
-            raise ScratchlmError(
-                f"data.tokenizer {self.config.data.tokenizer} is not the tokenizer this run was trained with "
-                f"({copy}); use another logging.run_dir"
-            )
-        return tokenizer
 
     def _restore(self, resume: bool, allow_config_change: bool) -> None:
         existing = self.run_dir.latest_checkpoint()
@@ -473,6 +491,11 @@ class _Run:
                 self._save_after_abort()
                 raise
             self._end_session()
+        except DivergedError:
+            # The summary says so: a resumed run must not keep the "finished" of an earlier session.
+            self.stopped = StopReason.DIVERGED
+            self._finish()
+            raise
         finally:
             if self.logger is not None:
                 self.logger.close()
@@ -639,7 +662,8 @@ class _Run:
             self._save()
 
     def _finish(self) -> RunSummary:
-        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal."""
+        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal (a
+        diverged one is ended by its `DivergedError`, which the caller re-raises)."""
         session_time = clock() - self.session_start
         summary = self._summary(
             wall_time_s=self._elapsed(),
@@ -647,6 +671,7 @@ class _Run:
         )
         if self.dist.is_main:
             summary.write(self.run_dir.summary_file)
+        if self.dist.is_main and self.stopped is not StopReason.DIVERGED:  # the error itself tells that story
             console.print(
                 f"{self.stopped.value} at step {self.step} after {format_seconds(summary.wall_time_s)}: train loss "
                 f"{_fmt(self.final_train_loss)}, val loss {_fmt(self.final_val_loss)}; "
