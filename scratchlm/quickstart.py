@@ -52,6 +52,8 @@ from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, re
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
 from scratchlm.training.config import TrainConfig
+from scratchlm.training.recipes import RECIPES as TRAINING_RECIPES
+from scratchlm.training.recipes import merged
 from scratchlm.training.trainer import train
 
 
@@ -122,36 +124,19 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-#: The training recipes of `--recipe`, as changes to `train_config`'s sections. "spec": the specification's
-#: model, AdamW and cosine schedule. "fast": the recipe of docs/experiments.md ("A faster recipe"): Muon for
-#: the hidden matrices and AdamW with rates of their own for embeddings, head and gains, QK-norm, ReLU²,
-#: zero-initialised output projections, logit soft-capping, value embeddings and a warm-up / stable / decay
-#: schedule whose warm-up is the steps that measure the speed; and, for a budget of minutes on a CPU, a shape
-#: that fits it: 2 layers rather than 4 and 8 sequences a step rather than 16, about twice the steps.
-RECIPES: dict[str, dict[str, dict[str, Any]]] = {
-    "spec": {},
+#: The training recipes of `--recipe`, as changes to `train_config`'s sections: those of
+#: `scratchlm.training.recipes`, each in the quickstart's shape. "fast" takes a shape that fits a budget of
+#: minutes on a CPU: 2 layers rather than 4 (so one value-embedding table) and 8 sequences a step rather than
+#: 16, about twice the steps; its warm-up is the steps that measure the speed.
+QUICKSTART_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "fast": {
-        "model": {
-            "num_layers": 2,
-            "qk_norm": True,
-            "ffn": "relu2",
-            "zero_init": True,
-            "logit_softcap": 15.0,
-            "value_embeddings": 1,
-        },
-        "optimizer": {
-            "name": "muon",
-            "lr": 0.01,
-            "min_lr": 0.0,
-            "muon_lr": 0.03,
-            "embedding_lr": 0.5,
-            "head_lr": 0.008,
-            "betas": [0.8, 0.95],
-            "weight_decay": 0.0,
-        },
-        "schedule": {"kind": "wsd", "warmup_iters": CALIBRATION_STEPS, "decay_fraction": 0.5},
+        "model": {"num_layers": 2, "value_embeddings": 1},
+        "schedule": {"warmup_iters": CALIBRATION_STEPS},
         "training": {"batch_size": 8},
     },
+}
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    name: merged(recipe, QUICKSTART_SHAPES.get(name, {})) for name, recipe in TRAINING_RECIPES.items()
 }
 DEFAULT_RECIPE = "fast"
 
