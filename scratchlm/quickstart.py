@@ -51,7 +51,7 @@ from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
-from scratchlm.training.config import TrainConfig
+from scratchlm.training.config import TrainConfig, config_changes
 from scratchlm.training.recipes import RECIPES as TRAINING_RECIPES
 from scratchlm.training.recipes import merged
 from scratchlm.training.trainer import train
@@ -360,10 +360,13 @@ def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
     if not run.config.exists():
         return
     trained = TrainConfig.load(run.config)
-    if any(getattr(trained, name) != getattr(config, name) for name in ("model", "optimizer", "schedule")):
+    changes = config_changes(
+        trained.to_dict(), config, sections=("model", "optimizer", "schedule"), changeable=()
+    )
+    if changes:
         raise ScratchlmError(
-            f"{run} holds a model trained with another recipe or size than --recipe {recipe}; "
-            "use another --out, or delete it to train again"
+            f"{run} holds a model trained with another recipe or size than --recipe {recipe} "
+            f"({'; '.join(changes)}); use another --out, or delete it to train again"
         )
 
 

@@ -58,7 +58,7 @@ from scratchlm.run.load import TOKENIZER_DIR, check_pair, find_checkpoint
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
-from scratchlm.training.config import TrainConfig, config_changes, read_toml
+from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
 from scratchlm.training.distributed import (
     Distributed,
     all_reduce,
@@ -322,11 +322,14 @@ class _Run:
         and its tokenizer, when both are known, the one of `data.tokenizer`."""
         path, _ = find_checkpoint(source)
         checkpoint = Checkpoint.read(path)
-        theirs, ours = checkpoint.model_config, self.config.model
         differing = [
-            f"model.{name} = {getattr(ours, name)!r}, theirs {getattr(theirs, name)!r}"
-            for name in ours.to_dict() | theirs.to_dict()
-            if getattr(ours, name) != getattr(theirs, name) and name not in COMPUTATION_FIELDS
+            f"{key} = {ours!r}, theirs {theirs!r}"
+            for key, theirs, ours in config_differences(
+                {"model": checkpoint.model_config.to_dict()},
+                {"model": self.config.model.to_dict()},
+                sections=("model",),
+                changeable={f"model.{name}" for name in COMPUTATION_FIELDS},
+            )
         ]
         if differing:
             raise ScratchlmError(
@@ -334,7 +337,7 @@ class _Run:
             )
         if self.tokenizer is not None:
             try:
-                check_pair(ours, self.tokenizer, checkpoint.tokenizer_fingerprint)
+                check_pair(self.config.model, self.tokenizer, checkpoint.tokenizer_fingerprint)
             except ScratchlmError:
                 raise ScratchlmError(
                     f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
