@@ -30,7 +30,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.kv_cache import LayerKVCache
 
 Device = torch.device | str | None
@@ -99,7 +99,7 @@ class RMSNorm(nn.Module):
     def __init__(
         self,
         d_model: int,
-        eps: float = 1e-5,
+        eps: float = DEFAULT_NORM_EPS,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -451,8 +451,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.positions = position_encoding(config, device)
         # QK-norm: one gain per head dimension, shared by the heads. Queries and keys of RMS 1 bound every
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
-        self.q_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
 
     def _uses_kernel(self, q: Tensor) -> bool:
         """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a

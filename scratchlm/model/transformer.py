@@ -91,9 +91,9 @@ class TransformerBlock(nn.Module):
     def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
         self.norm = config.norm
         with_norms = config.norm != "none"
-        self.ln1 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
+        self.ln1 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
         self.attn = MultiHeadSelfAttention.from_config(config, device, dtype)
-        self.ln2 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
+        self.ln2 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
         self.ffn = feed_forward(config, device, dtype)
         if config.zero_init:  # after the random init, so the other weights are those of zero_init=False
             with torch.no_grad():
@@ -184,7 +184,9 @@ class TransformerLM(nn.Module):
             else None
         )
         # A post-norm block already ends with an RMSNorm; with norm="none" there is none anywhere.
-        self.ln_final = RMSNorm(config.d_model, device=device, dtype=dtype) if config.norm == "pre" else None
+        self.ln_final = (
+            RMSNorm(config.d_model, config.norm_eps, device, dtype) if config.norm == "pre" else None
+        )
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         if config.tie_embeddings:
             # One matrix for both ends. It takes the LM head's initialisation (std ≈ sqrt(2 / (vocab + d_model)))
