@@ -235,7 +235,7 @@ def quickstart(
     )
 
     _stage(5, "samples (temperature 0.8, top-p 0.95)")
-    eos = tokenizer.token_id(END_OF_TEXT)
+    eos = tokenizer.eos_id
     generator = torch.Generator(device=device).manual_seed(0)
     for prompt in PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt"):
         with autocast(torch.device(device), precision):

@@ -32,7 +32,7 @@ import torch
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.interop import StateDictAdapter, check_exportable, require
-from scratchlm.interop.hf import ExportResult, eos_id
+from scratchlm.interop.hf import ExportResult
 from scratchlm.interop.verify import (
     DTYPES,
     as_stored,
@@ -116,7 +116,7 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    if (eos := eos_id(tokenizer)) is not None:
+    if (eos := tokenizer.eos_id) is not None:
         writer.add_bos_token_id(eos)
         writer.add_eos_token_id(eos)
     writer.add_add_bos_token(False)

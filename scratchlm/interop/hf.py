@@ -104,16 +104,11 @@ class ExportResult:
 # -- export ----------------------------------------------------------------------------------------------------
 
 
-def eos_id(tokenizer: Tokenizer) -> int | None:
-    """The id of <|endoftext|>, which ends a sequence (and starts one), if the tokenizer has it."""
-    return tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
-
-
 def hf_config(
     config: ModelConfig, architecture: Architecture, tokenizer: Tokenizer, dtype: str
 ) -> dict[str, Any]:
     """config.json: transformers' names for the model of `config`."""
-    eos = eos_id(tokenizer)
+    eos = tokenizer.eos_id
     values: dict[str, Any] = {
         "architectures": [architecture.hf_class],
         "model_type": architecture.name,
@@ -184,7 +179,7 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
     with atomic_directory(out, HF_EXPORT_KIND) as tmp:
         safetensors_torch.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config(config, architecture, trained.tokenizer, dtype))
-        eos = eos_id(trained.tokenizer)
+        eos = trained.tokenizer.eos_id
         _write_json(tmp / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos})
         write_tokenizer(trained.tokenizer, tmp, config.context_length)
         difference = _verify(tmp, model, trained.tokenizer, dtype)

@@ -48,15 +48,20 @@ from typing import Any, BinaryIO
 import regex
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.tokenizer.pretokenize import pretoken_counts, special_tokens_regex, whitespace
+from scratchlm.tokenizer.pretokenize import (
+    ASCII_LETTER_CUT_PATTERN,
+    pretoken_counts,
+    special_tokens_regex,
+    whitespace,
+)
 from scratchlm.workers import worker_pool
 
 # Bytes each worker reads and pre-tokenizes at a time: bounds a worker's memory apart from its counts.
 DEFAULT_CHUNK_SIZE = 1 << 20
 # How far past a chunk's nominal end to look for a special token before settling for a letter boundary.
 _CUT_SEARCH_WINDOW = 1 << 16
-# An ASCII letter followed by an ASCII non-letter: the regex ends a match between the two.
-_LETTER_CUT_RE = regex.compile(rb"[A-Za-z](?=[\x00-\x40\x5b-\x60\x7b-\x7f])")
+# Where a chunk of bytes may end (`pretokenize.ASCII_LETTER_CUT_PATTERN`).
+_LETTER_CUT_RE = regex.compile(ASCII_LETTER_CUT_PATTERN)
 
 Pair = tuple[int, int]
 
