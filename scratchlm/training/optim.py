@@ -171,7 +171,7 @@ def build_optimizer(
     moves every group's rate in proportion. `name="muon"` makes a `Muon` optimizer (scratchlm.training.muon)
     whose "matrices" group runs Muon and whose other groups run AdamW; its Newton–Schulz iteration runs in
     bfloat16 when the training's resolved `precision` is "bf16" and `config.muon_bf16`, else in float32."""
-    from scratchlm.training.muon import Muon  # muon.py builds on this module
+    from scratchlm.training.muon import ADAMW, MUON, Muon  # muon.py builds on this module
 
     muon = config.name == "muon"
     rates = {
@@ -189,7 +189,7 @@ def build_optimizer(
         return SGD(groups, lr=config.lr)
     if muon:
         for group in groups:
-            group["algorithm"] = "muon" if group["name"] == "matrices" else "adamw"
+            group["algorithm"] = MUON if group["name"] == "matrices" else ADAMW
             if group["name"] == "matrices":
                 group["weight_decay"] = config.muon_weight_decay
         return Muon(
