@@ -242,6 +242,30 @@ class TransformerLM(nn.Module):
             logits = cap * torch.tanh(_at_least_float32(logits) / cap)
         return logits
 
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The parameters by the role they play, which optimizers give settings of their own
+        (`scratchlm.training.optim.parameter_groups`); the model declares them from its own structure:
+
+        - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one) and
+          the value-embedding tables;
+        - "head": the output projection to the vocabulary, when it is a matrix of its own;
+        - "gains": the RMSNorm gains and the U-net skip weights;
+        - "matrices": the weight matrices of the blocks (attention's projections, the feed-forward's).
+
+        Within a group the parameters keep the order of `parameters()`, the order optimizer states are saved
+        in. The caller checks that the groups hold every parameter exactly once."""
+        embeddings = [self.token_embeddings.weight]
+        if self.value_embeddings is not None:
+            embeddings += [table.weight for table in self.value_embeddings]
+        head = [] if self.config.tie_embeddings else [self.lm_head.weight]
+        gains = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        if self.skip_weights is not None:
+            gains.append(self.skip_weights)
+        matrices = [m.weight for m in self.layers.modules() if isinstance(m, Linear)]
+        declared = {"matrices": matrices, "embeddings": embeddings, "head": head, "gains": gains}
+        order = {id(p): i for i, p in enumerate(self.parameters())}
+        return {name: sorted(params, key=lambda p: order.get(id(p), -1)) for name, params in declared.items()}
+
     def new_kv_cache(self, batch_size: int) -> KVCache:
         """An empty cache for generating `batch_size` sequences at once (it fills on the model's device, in
         the dtype of the keys it is given)."""
