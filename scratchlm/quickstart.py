@@ -211,7 +211,7 @@ def quickstart(
     device = str(resolve_device(device))
     started = time.perf_counter()
     size = SMALL if small else FULL
-    out_dir = claim_output_dir(out_dir, QUICKSTART_KIND, text or (), previous=_is_unmarked_quickstart)
+    out_dir = claim_output_dir(out_dir, QUICKSTART_KIND, text or ())
 
     data = build_data(out_dir, size, text)
     train_ids, valid_ids = np.load(data.train, mmap_mode="r"), np.load(data.valid, mmap_mode="r")
@@ -283,13 +283,6 @@ def quickstart(
 
 
 QUICKSTART_KIND = "quickstart"  # the output marker of its directory (scratchlm.io)
-QUICKSTART_ENTRIES = {"corpus", "data", "run", "schedule.json", "loss.png", "quickstart.json"}
-
-
-def _is_unmarked_quickstart(out_dir: Path) -> bool:
-    """A quickstart directory written before directories were marked: its corpus and nothing but its own."""
-    entries = {p.name for p in out_dir.iterdir()}
-    return "corpus" in entries and entries <= QUICKSTART_ENTRIES
 
 
 def build_data(out_dir: Path, size: QuickstartSize, text: list[str | Path] | None = None) -> PreparedData:
