@@ -1,4 +1,4 @@
-"""The fast recipe against that of the CS336 assignment-1 handout (Stanford, spring 2025) (the specification), on the quickstart's corpus, tokenizer, data order and budget.
+"""The fast recipe against that of the CS336 assignment-1 handout (the specification), on the quickstart's corpus, tokenizer, data order and budget.
 
 Every run is the quickstart's training (`scratchlm.quickstart.train_within_budget`: calibrate the speed, then
 fit the schedule to the steps that fit in the wall-clock budget, compilation included), followed by the loss on

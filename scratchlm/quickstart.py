@@ -19,7 +19,7 @@ whole): a second run skips straight to evaluation and samples, and an interrupte
 its last checkpoint.
 
 The model trains with one of `RECIPES`: "fast" (the default; docs/experiments.md, "A faster recipe") or
-"spec", that of the CS336 assignment-1 handout (Stanford, spring 2025).
+"spec", that of the CS336 assignment-1 handout.
 
 The validation loss is printed beside the unigram entropy of the validation tokens: the loss, in nats per
 token, of the best model that ignores context. The distance between the two is what the model learnt from

@@ -1,5 +1,5 @@
 """The accounting formulas against real models: parameter counts against `sum(p.numel())`, forward FLOPs
-against torch's FLOP counter, and the GPT-2 XL figures of the CS336 assignment-1 handout (Stanford, spring 2025), computed by hand."""
+against torch's FLOP counter, and the GPT-2 XL figures of the CS336 assignment-1 handout, computed by hand."""
 
 import argparse
 

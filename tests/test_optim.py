@@ -1,4 +1,4 @@
-"""AdamW against torch.optim.AdamW; the SGD toy example of the CS336 assignment-1 handout (Stanford, spring 2025)."""
+"""AdamW against torch.optim.AdamW; the SGD toy example of the CS336 assignment-1 handout."""
 
 import math
 

@@ -1,6 +1,6 @@
 """The model's hyperparameters in one dataclass, saved inside every checkpoint.
 
-The defaults are the TinyStories model of the CS336 assignment-1 handout (Stanford, spring 2025) (≈17M non-embedding parameters). The ablation switches
+The defaults are the TinyStories model of the CS336 assignment-1 handout (≈17M non-embedding parameters). The ablation switches
 of the experiments are fields too: `norm` (pre-norm, post-norm, or no RMSNorm at all), `positions` (RoPE or
 none, i.e. NoPE), `ffn` (SwiGLU, or a SiLU MLP `W2 silu(W1 x)`) and `tie_embeddings` (the LM head reuses the
 token embedding matrix). `num_kv_heads` below `num_heads` is grouped-query attention (Ainslie et al., 2023):

@@ -419,7 +419,7 @@ class MultiHeadSelfAttention(nn.Module):
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """The signature of the CS336 assignment-1 handout (Stanford, spring 2025): RoPE with `theta` (which needs `max_seq_len`), none without."""
+        """The signature of the CS336 assignment-1 handout: RoPE with `theta` (which needs `max_seq_len`), none without."""
         super().__init__()
         if d_model % num_heads:
             raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")

@@ -67,7 +67,7 @@ class TransformerBlock(nn.Module):
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """The signature of the CS336 assignment-1 handout (Stanford, spring 2025) (`theta=None`: no position encoding); `from_config` is the way
+        """The signature of the CS336 assignment-1 handout (`theta=None`: no position encoding); `from_config` is the way
         `TransformerLM` builds its blocks."""
         super().__init__()
         config = ModelConfig(

@@ -1,6 +1,6 @@
 """Byte-level BPE training: learn `vocab_size - 256 - len(special_tokens)` merges from a text file.
 
-The algorithm (that of the CS336 assignment-1 handout (Stanford, spring 2025), in the spirit of minbpe) has two phases.
+The algorithm (that of the CS336 assignment-1 handout, in the spirit of minbpe) has two phases.
 
 1. Pre-token counting. The file is cut into chunks, each read, decoded and counted by a worker process: the
    text is split on the special tokens (which are never counted or merged), then cut into pre-tokens by GPT-2's

@@ -1,4 +1,4 @@
-"""Optimizers written from the update rules: the toy SGD of the CS336 assignment-1 handout (Stanford, spring 2025), and AdamW.
+"""Optimizers written from the update rules: the toy SGD of the CS336 assignment-1 handout, and AdamW.
 
 AdamW (Loshchilov & Hutter, 2019) keeps, per parameter, running averages of the gradient and of its square,
 

@@ -16,7 +16,7 @@ Recipe = dict[str, dict[str, Any]]
 
 #: The specification's recipe (the CS336 assignment-1 handout): AdamW and a cosine schedule, the config's
 #: defaults, so it changes nothing.
-SPEC: Recipe = {}
+HANDOUT: Recipe = {}
 
 #: The recipe of docs/experiments.md ("A faster recipe"): Muon for the hidden matrices and AdamW with rates of
 #: their own for the gains (`lr`), the embeddings and the head; QK-norm, ReLU², zero-initialised output
@@ -38,7 +38,7 @@ FAST: Recipe = {
     "schedule": {"kind": "wsd", "decay_fraction": 0.5},
 }
 
-RECIPES: dict[str, Recipe] = {"spec": SPEC, "fast": FAST}
+RECIPES: dict[str, Recipe] = {"spec": HANDOUT, "fast": FAST}
 
 
 def merged(base: Recipe, changes: Recipe) -> Recipe:
