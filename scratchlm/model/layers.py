@@ -412,35 +412,35 @@ class MultiHeadSelfAttention(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
+        d_model: int | None = None,
+        num_heads: int | None = None,
         max_seq_len: int | None = None,
         theta: float | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
+        *,
+        config: ModelConfig | None = None,
     ) -> None:
-        """The signature of the CS336 assignment-1 handout: RoPE with `theta` (which needs `max_seq_len`), none without."""
+        """The one constructor: the model's `config` (what `from_config` passes), or the loose arguments of
+        the CS336 assignment-1 handout's signature, which the public API keeps: RoPE with `theta` (which
+        needs `max_seq_len`), none without."""
         super().__init__()
-        if d_model % num_heads:
-            raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-        if theta is not None and max_seq_len is None:
-            raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
-        config = ModelConfig(
-            d_model=d_model,
-            num_heads=num_heads,
-            context_length=max_seq_len or 1,
-            positions="rope" if theta is not None else "none",
-            rope_theta=theta if theta is not None else ModelConfig.rope_theta,
-        )
-        self.build(config, device, dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> MultiHeadSelfAttention:
-        return build_from_config(cls, config, device, dtype)
-
-    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if config is None:
+            if d_model is None or num_heads is None:
+                raise TypeError("MultiHeadSelfAttention needs d_model and num_heads, or config=")
+            if d_model % num_heads:
+                raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+            if theta is not None and max_seq_len is None:
+                raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
+            config = ModelConfig(
+                d_model=d_model,
+                num_heads=num_heads,
+                context_length=max_seq_len or 1,
+                positions="rope" if theta is not None else "none",
+                rope_theta=theta if theta is not None else ModelConfig.rope_theta,
+            )
+        elif (d_model, num_heads, max_seq_len, theta) != (None, None, None, None):
+            raise TypeError("pass either the handout's arguments or config=, not both")
         self.d_model, self.num_heads, self.num_kv_heads = config.d_model, config.num_heads, config.kv_heads
         self.attention = config.attention
         kv_dim = config.kv_heads * config.head_dim
@@ -453,6 +453,12 @@ class MultiHeadSelfAttention(nn.Module):
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> MultiHeadSelfAttention:
+        return cls(config=config, device=device, dtype=dtype)
 
     def _uses_kernel(self, q: Tensor) -> bool:
         """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a
@@ -537,12 +543,3 @@ def _attend(
 ) -> Float[Tensor, "... queries d_v"]:
     """Causal attention, the queries being the last keys; or, with a mask, the keys the mask allows."""
     return causal_attention(q, k, v) if mask is None else scaled_dot_product_attention(q, k, v, mask)
-
-
-def build_from_config(cls: type, config: ModelConfig, device: Device, dtype: torch.dtype | None) -> Any:
-    """A module of class `cls` built by its `build(config, device, dtype)`, bypassing the handout's
-    loose-argument `__init__`: the path every model part takes inside `TransformerLM`."""
-    module = cls.__new__(cls)
-    nn.Module.__init__(module)
-    module.build(config, device, dtype)
-    return module

@@ -44,7 +44,6 @@ from scratchlm.model.layers import (
     MultiHeadSelfAttention,
     RMSNorm,
     _at_least_float32,
-    build_from_config,
     feed_forward,
 )
 from scratchlm.training.loss import fused_linear_cross_entropy
@@ -56,39 +55,37 @@ class TransformerBlock(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        max_seq_len: int,
+        d_model: int | None = None,
+        num_heads: int | None = None,
+        d_ff: int | None = None,
+        max_seq_len: int | None = None,
         theta: float | None = 10_000.0,
         *,
         norm: str = "pre",
         ffn: str = "swiglu",
+        config: ModelConfig | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """The signature of the CS336 assignment-1 handout (`theta=None`: no position encoding); `from_config` is the way
-        `TransformerLM` builds its blocks."""
+        """The one constructor: the model's `config` (what `from_config`, and so `TransformerLM`, passes), or
+        the loose arguments of the CS336 assignment-1 handout's signature, which the public API keeps
+        (`theta=None`: no position encoding)."""
         super().__init__()
-        config = ModelConfig(
-            d_model=d_model,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            context_length=max_seq_len,
-            positions="rope" if theta is not None else "none",
-            rope_theta=theta if theta is not None else ModelConfig.rope_theta,
-            norm=norm,
-            ffn=ffn,
-        )
-        self.build(config, device, dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> TransformerBlock:
-        return build_from_config(cls, config, device, dtype)
-
-    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if config is None:
+            if None in (d_model, num_heads, d_ff, max_seq_len):
+                raise TypeError("TransformerBlock needs d_model, num_heads, d_ff and max_seq_len, or config=")
+            config = ModelConfig(
+                d_model=d_model,
+                num_heads=num_heads,
+                d_ff=d_ff,
+                context_length=max_seq_len,
+                positions="rope" if theta is not None else "none",
+                rope_theta=theta if theta is not None else ModelConfig.rope_theta,
+                norm=norm,
+                ffn=ffn,
+            )
+        elif (d_model, num_heads, d_ff, max_seq_len) != (None, None, None, None):
+            raise TypeError("pass either the handout's arguments or config=, not both")
         self.norm = config.norm
         with_norms = config.norm != "none"
         self.ln1 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
@@ -99,6 +96,12 @@ class TransformerBlock(nn.Module):
             with torch.no_grad():
                 self.attn.output_proj.weight.zero_()
                 self.ffn.w2.weight.zero_()
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> TransformerBlock:
+        return cls(config=config, device=device, dtype=dtype)
 
     def forward(
         self,
@@ -130,40 +133,40 @@ class TransformerLM(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        context_length: int,
-        d_model: int,
-        num_layers: int,
-        num_heads: int,
-        d_ff: int | None,
+        vocab_size: int | None = None,
+        context_length: int | None = None,
+        d_model: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
+        d_ff: int | None = None,
         rope_theta: float = 10_000.0,
         *,
+        config: ModelConfig | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
         **switches: Any,
     ) -> None:
-        """The handout's signature; the other `ModelConfig` fields (`norm`, `positions`, `ffn`,
-        `tie_embeddings`, ...) are keyword arguments. `TransformerLM.from_config(config)` is the same."""
+        """The one constructor: the model's `config` (what `from_config` passes), or the loose arguments of
+        the CS336 assignment-1 handout's signature, which the public API keeps, with the other `ModelConfig`
+        fields (`norm`, `positions`, `ffn`, `tie_embeddings`, ...) as keyword arguments."""
         super().__init__()
-        config = ModelConfig(
-            vocab_size=vocab_size,
-            context_length=context_length,
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            rope_theta=rope_theta,
-            **switches,
-        )
-        self.build(config, device, dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> TransformerLM:
-        return build_from_config(cls, config, device, dtype)
-
-    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if config is None:
+            if None in (vocab_size, context_length, d_model, num_layers, num_heads):
+                raise TypeError(
+                    "TransformerLM needs vocab_size, context_length, d_model, num_layers and num_heads, or config="
+                )
+            config = ModelConfig(
+                vocab_size=vocab_size,
+                context_length=context_length,
+                d_model=d_model,
+                num_layers=num_layers,
+                num_heads=num_heads,
+                d_ff=d_ff,
+                rope_theta=rope_theta,
+                **switches,
+            )
+        elif (vocab_size, context_length, d_model, num_layers, num_heads, d_ff) != (None,) * 6 or switches:
+            raise TypeError("pass either the handout's arguments or config=, not both")
         self.config = config
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -193,6 +196,12 @@ class TransformerLM(nn.Module):
             # rather than the embedding's N(0, 1): unit-variance rows would make the initial logits
             # sqrt(d_model) times too large.
             self.token_embeddings.weight = self.lm_head.weight
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> TransformerLM:
+        return cls(config=config, device=device, dtype=dtype)
 
     def forward(
         self,
