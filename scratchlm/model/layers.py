@@ -22,7 +22,7 @@ hundreds of bfloat16 values loses most of its digits.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Self
 
 import torch
 from einops import rearrange
@@ -34,6 +34,17 @@ from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.kv_cache import LayerKVCache
 
 Device = torch.device | str | None
+
+
+class FromConfig:
+    """`from_config(config, device, dtype)` for a model class whose one constructor takes `config=`: the way
+    `TransformerLM` builds its parts, the config flowing down."""
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> Self:
+        return cls(config=config, device=device, dtype=dtype)
 
 
 def _at_least_float32(x: Tensor) -> Tensor:
@@ -389,7 +400,7 @@ def triton_attention() -> Any:
     return flash_attention
 
 
-class MultiHeadSelfAttention(nn.Module):
+class MultiHeadSelfAttention(FromConfig, nn.Module):
     """Causal multi-head self-attention: project to queries, keys and values, split `d_model` into
     `num_heads` heads of `d_k = d_model / num_heads` that attend independently (as one more batch
     dimension), concatenate, project back. Queries and keys then go through the position encoding of
@@ -453,12 +464,6 @@ class MultiHeadSelfAttention(nn.Module):
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> MultiHeadSelfAttention:
-        return cls(config=config, device=device, dtype=dtype)
 
     def _uses_kernel(self, q: Tensor) -> bool:
         """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a

@@ -40,6 +40,7 @@ from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache
 from scratchlm.model.layers import (
     Device,
     Embedding,
+    FromConfig,
     Linear,
     MultiHeadSelfAttention,
     RMSNorm,
@@ -49,7 +50,7 @@ from scratchlm.model.layers import (
 from scratchlm.training.loss import fused_linear_cross_entropy
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(FromConfig, nn.Module):
     """Causal self-attention then a feed-forward network, each inside a residual connection, with RMSNorm
     before each (pre-norm, default), after each addition (post-norm), or nowhere (`config.norm`)."""
 
@@ -97,12 +98,6 @@ class TransformerBlock(nn.Module):
                 self.attn.output_proj.weight.zero_()
                 self.ffn.w2.weight.zero_()
 
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> TransformerBlock:
-        return cls(config=config, device=device, dtype=dtype)
-
     def forward(
         self,
         x: Float[Tensor, "... seq d_model"],
@@ -123,7 +118,7 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(x)
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(FromConfig, nn.Module):
     """Token ids `(..., seq)` -> next-token logits `(..., seq, vocab_size)`, `seq <= context_length`.
 
     With a `kv_cache` (from `new_kv_cache`), `token_ids` `(batch, n)` are the tokens that follow those the
@@ -196,12 +191,6 @@ class TransformerLM(nn.Module):
             # rather than the embedding's N(0, 1): unit-variance rows would make the initial logits
             # sqrt(d_model) times too large.
             self.token_embeddings.weight = self.lm_head.weight
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> TransformerLM:
-        return cls(config=config, device=device, dtype=dtype)
 
     def forward(
         self,
