@@ -35,7 +35,7 @@ from scratchlm.tokenizer.serialization import load_vocab
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 END_OF_TEXT = "<|endoftext|>"
-# Sizes of the datasets of the CS336 assignment-1 handout (Stanford, spring 2025), for the time estimates.
+# Sizes of the datasets of the CS336 assignment-1 handout, for the time estimates.
 DATASETS = {"TinyStories train (2.1 GB)": 2.1e9, "OpenWebText sample (11 GB)": 11e9}
 
 

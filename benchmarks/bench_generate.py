@@ -1,4 +1,4 @@
-"""Generation throughput with and without the KV cache, side by side, at the TinyStories model of the CS336 assignment-1 handout (Stanford, spring 2025).
+"""Generation throughput with and without the KV cache, side by side, at the TinyStories model of the CS336 assignment-1 handout.
 
 The model (vocab 10,000, context 256, d_model 512, 4 layers, 16 heads, d_ff 1,344) has random weights: the cost
 of a token does not depend on what the weights are. Both paths generate the same number of new tokens from the

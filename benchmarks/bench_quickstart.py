@@ -52,7 +52,7 @@ def resolved_precision(requested: str) -> str:
 
 
 class Rotary(nn.Module):
-    """RoPE on adjacent pairs (x[2k], x[2k+1]), as the CS336 assignment-1 handout (Stanford, spring 2025) defines it."""
+    """RoPE on adjacent pairs (x[2k], x[2k+1]), as the CS336 assignment-1 handout defines it."""
 
     def __init__(self, head_dim: int, context: int, theta: float) -> None:
         super().__init__()

@@ -1,9 +1,10 @@
-"""The fast recipe against that of the CS336 assignment-1 handout (Stanford, spring 2025) (the specification), on the quickstart's corpus, tokenizer, data order and budget.
+"""The fast recipe against that of the CS336 assignment-1 handout (the specification), on the quickstart's corpus, tokenizer, data order and budget.
 
 Every run is the quickstart's training (`scratchlm.quickstart.train_within_budget`: calibrate the speed, then
 fit the schedule to the steps that fit in the wall-clock budget, compilation included), followed by the loss on
 every token of the held-out file. The specification's recipe is AdamW + cosine at its best learning rate of the
-sweep (`--spec-lrs`); the fast one is `RECIPES["fast"]` of scratchlm/quickstart.py.
+sweep (`--spec-lrs`); the fast one is `scratchlm.training.recipes.FAST` in the quickstart's shape (`RECIPES["fast"]` of
+scratchlm/quickstart.py).
 
     python benchmarks/bench_recipe.py --spec-lr 4e-3           # both at 240 s and at 120 s
     python benchmarks/bench_recipe.py --spec-lr 4e-3 --spec-lrs 2e-3,8e-3 --fractions 0.5,0.35 \
@@ -26,7 +27,6 @@ Results: a table on stdout, `results.json` and the loss curves (`curves.png` at 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import math
@@ -46,6 +46,7 @@ from scratchlm.experiments.plot import plot_runs
 from scratchlm.quickstart import FULL, RECIPES, SMALL, build_data, train_within_budget
 from scratchlm.run import load_trained
 from scratchlm.training.config import parse_override
+from scratchlm.training.recipes import merged
 
 #: Each piece of the fast recipe, removed on its own (the ablation table). "muon" falls back to the
 #: specification's AdamW (every group at the spec's learning rate, filled in from --spec-lr).
@@ -61,13 +62,6 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "4-layers": {"model": {"num_layers": FULL.model["num_layers"]}},
     "batch-16": {"training": {"batch_size": FULL.batch_size}},
 }
-
-
-def merged(base: dict[str, dict[str, Any]], changes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    result = copy.deepcopy(base)
-    for section, values in changes.items():
-        result[section] = result.get(section, {}) | values
-    return result
 
 
 def run_job(

@@ -1,5 +1,5 @@
 """Serving throughput: 16 concurrent clients against the same requests one at a time, and one request against
-`generate_stream`, at the TinyStories model of the CS336 assignment-1 handout (Stanford, spring 2025).
+`generate_stream`, at the TinyStories model of the CS336 assignment-1 handout.
 
 The model (vocab 10,000, context 256, d_model 512, 4 layers, 16 heads) has random weights, in float32: the cost
 of a token does not depend on what the weights are. The tokenizer is GPT-2's (a test fixture); the prompts are

@@ -12,7 +12,7 @@ divided among the processes sharing them), sampled every 20 ms.
     python benchmarks/bench_train_bpe.py [--vocab-size 10000] [--workers K] [--runs 3]
 
 Prints both times, the ratio scratchlm / HF (the target is <= 1.0) and how similar the two merge lists are: HF
-breaks ties between equally frequent pairs its own way rather than by the rule of the CS336 assignment-1 handout (Stanford, spring 2025), after which the lists
+breaks ties between equally frequent pairs its own way rather than by the rule of the CS336 assignment-1 handout, after which the lists
 drift apart a little.
 """
 

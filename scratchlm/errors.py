@@ -5,11 +5,37 @@ expected). The CLI prints such errors as one line and exits with status 2, so a 
 traceback; any other exception is a bug and keeps its traceback.
 """
 
+import errno
+import os
 import signal
+
+# Faults of the file system a user can act on (free space, mount it writable, fix the permissions), worded
+# the way `df`, `mount` and `ls -l` would make them plain. Any other OSError is unexpected and keeps its traceback.
+_OS_FAULTS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "no space left on device (disk quota exceeded)",
+    errno.EFBIG: "file too large for the file system",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
 
 
 class ScratchlmError(Exception):
     """A user-facing error: bad input, bad configuration, missing or malformed files."""
+
+
+def os_fault(path: str | os.PathLike, error: OSError, doing: str = "cannot write") -> ScratchlmError | None:
+    """The one-line `ScratchlmError` for an OSError the file system reported while writing `path`: "cannot
+    write PATH: no space left on device", "...: read-only file system", "...: permission denied". None when
+    the error is not such a fault (a bug, or a fault of some other file), which the caller then re-raises.
+
+    Writers turn OSError into ScratchlmError here and nowhere else (`scratchlm.io.atomic_write`, the run's
+    lock), so that the same fault reads the same whichever command met it."""
+    reason = _OS_FAULTS.get(error.errno)
+    if reason is None:
+        return None
+    return ScratchlmError(f"{doing} {path}: {reason}")
 
 
 class DivergedError(ScratchlmError):

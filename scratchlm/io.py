@@ -3,7 +3,9 @@
 Everything the project writes for later use (tokenizers, token arrays, checkpoints, metrics summaries,
 plots) goes through these helpers: the content is written to a temporary name in the same directory and then
 renamed over the destination with `os.replace`, which is atomic on POSIX file systems. An interrupted write
-leaves at most a stray `*.tmp-*` file, never a truncated output under the real name.
+leaves at most a stray `*.tmp-*` file, never a truncated output under the real name. A write the file system
+refuses (a full disk, a read-only mount, missing permission) removes its temporary file and ends as one
+`ScratchlmError` naming the output and the fault (`scratchlm.errors.os_fault`).
 
 Every output also goes to a place of its own. A directory output (a tokenizer, a run, a quickstart or sweep
 directory) is created, replaced or added to only when it is missing, empty, or recognisably an earlier output
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from scratchlm.errors import ScratchlmError
+from scratchlm.errors import ScratchlmError, os_fault
 
 
 def _check_parent_writable(path: Path) -> None:
@@ -50,17 +52,24 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path`; on success it is renamed to `path`, on error removed."""
     path = Path(path)
     _check_parent_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    except OSError as e:
+        raise os_fault(path, e) or e from None
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # a full disk may only say so here, or on close
         os.chmod(tmp, _default_mode(0o666))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        # A fault of the output itself (its file has no name in the error, or the temporary one) names the
+        # output; one of another file the body touched (an input it reads) is that file's to report.
+        if isinstance(e, OSError) and e.filename in (None, tmp, str(path)):
+            raise os_fault(path, e) or e from None
         raise
 
 

@@ -19,7 +19,7 @@ whole): a second run skips straight to evaluation and samples, and an interrupte
 its last checkpoint.
 
 The model trains with one of `RECIPES`: "fast" (the default; docs/experiments.md, "A faster recipe") or
-"spec", that of the CS336 assignment-1 handout (Stanford, spring 2025).
+"spec", that of the CS336 assignment-1 handout.
 
 The validation loss is printed beside the unigram entropy of the validation tokens: the loss, in nats per
 token, of the best model that ignores context. The distance between the two is what the model learnt from
@@ -51,7 +51,9 @@ from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
-from scratchlm.training.config import TrainConfig
+from scratchlm.training.config import TrainConfig, config_changes
+from scratchlm.training.recipes import RECIPES as TRAINING_RECIPES
+from scratchlm.training.recipes import merged
 from scratchlm.training.trainer import train
 
 
@@ -122,36 +124,19 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-#: The training recipes of `--recipe`, as changes to `train_config`'s sections. "spec": the specification's
-#: model, AdamW and cosine schedule. "fast": the recipe of docs/experiments.md ("A faster recipe"): Muon for
-#: the hidden matrices and AdamW with rates of their own for embeddings, head and gains, QK-norm, ReLU²,
-#: zero-initialised output projections, logit soft-capping, value embeddings and a warm-up / stable / decay
-#: schedule whose warm-up is the steps that measure the speed; and, for a budget of minutes on a CPU, a shape
-#: that fits it: 2 layers rather than 4 and 8 sequences a step rather than 16, about twice the steps.
-RECIPES: dict[str, dict[str, dict[str, Any]]] = {
-    "spec": {},
+#: The training recipes of `--recipe`, as changes to `train_config`'s sections: those of
+#: `scratchlm.training.recipes`, each in the quickstart's shape. "fast" takes a shape that fits a budget of
+#: minutes on a CPU: 2 layers rather than 4 (so one value-embedding table) and 8 sequences a step rather than
+#: 16, about twice the steps; its warm-up is the steps that measure the speed.
+QUICKSTART_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "fast": {
-        "model": {
-            "num_layers": 2,
-            "qk_norm": True,
-            "ffn": "relu2",
-            "zero_init": True,
-            "logit_softcap": 15.0,
-            "value_embeddings": 1,
-        },
-        "optimizer": {
-            "name": "muon",
-            "lr": 0.01,
-            "min_lr": 0.0,
-            "muon_lr": 0.03,
-            "embedding_lr": 0.5,
-            "head_lr": 0.008,
-            "betas": [0.8, 0.95],
-            "weight_decay": 0.0,
-        },
-        "schedule": {"kind": "wsd", "warmup_iters": CALIBRATION_STEPS, "decay_fraction": 0.5},
+        "model": {"num_layers": 2, "value_embeddings": 1},
+        "schedule": {"warmup_iters": CALIBRATION_STEPS},
         "training": {"batch_size": 8},
     },
+}
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    name: merged(recipe, QUICKSTART_SHAPES.get(name, {})) for name, recipe in TRAINING_RECIPES.items()
 }
 DEFAULT_RECIPE = "fast"
 
@@ -226,7 +211,7 @@ def quickstart(
     device = str(resolve_device(device))
     started = time.perf_counter()
     size = SMALL if small else FULL
-    out_dir = claim_output_dir(out_dir, QUICKSTART_KIND, text or (), previous=_is_unmarked_quickstart)
+    out_dir = claim_output_dir(out_dir, QUICKSTART_KIND, text or ())
 
     data = build_data(out_dir, size, text)
     train_ids, valid_ids = np.load(data.train, mmap_mode="r"), np.load(data.valid, mmap_mode="r")
@@ -250,7 +235,7 @@ def quickstart(
     )
 
     _stage(5, "samples (temperature 0.8, top-p 0.95)")
-    eos = tokenizer.token_id(END_OF_TEXT)
+    eos = tokenizer.eos_id
     generator = torch.Generator(device=device).manual_seed(0)
     for prompt in PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt"):
         with autocast(torch.device(device), precision):
@@ -298,13 +283,6 @@ def quickstart(
 
 
 QUICKSTART_KIND = "quickstart"  # the output marker of its directory (scratchlm.io)
-QUICKSTART_ENTRIES = {"corpus", "data", "run", "schedule.json", "loss.png", "quickstart.json"}
-
-
-def _is_unmarked_quickstart(out_dir: Path) -> bool:
-    """A quickstart directory written before directories were marked: its corpus and nothing but its own."""
-    entries = {p.name for p in out_dir.iterdir()}
-    return "corpus" in entries and entries <= QUICKSTART_ENTRIES
 
 
 def build_data(out_dir: Path, size: QuickstartSize, text: list[str | Path] | None = None) -> PreparedData:
@@ -360,7 +338,7 @@ def train_within_budget(
     config = train_config(size, data, run_dir, seconds, device, size.max_steps or 0, recipe)
     _check_recipe(run, config, recipe)
     summary = run.summary()
-    if summary is not None and summary.stopped is not StopReason.INTERRUPTED:
+    if summary is not None and summary.stopped not in (StopReason.INTERRUPTED, StopReason.DIVERGED):
         console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
         return summary
     summary = train(config, resume=run.latest_checkpoint() is not None)
@@ -375,10 +353,13 @@ def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
     if not run.config.exists():
         return
     trained = TrainConfig.load(run.config)
-    if any(getattr(trained, name) != getattr(config, name) for name in ("model", "optimizer", "schedule")):
+    changes = config_changes(
+        trained.to_dict(), config, sections=("model", "optimizer", "schedule"), changeable=()
+    )
+    if changes:
         raise ScratchlmError(
-            f"{run} holds a model trained with another recipe or size than --recipe {recipe}; "
-            "use another --out, or delete it to train again"
+            f"{run} holds a model trained with another recipe or size than --recipe {recipe} "
+            f"({'; '.join(changes)}); use another --out, or delete it to train again"
         )
 
 

@@ -1,5 +1,5 @@
 """The accounting formulas against real models: parameter counts against `sum(p.numel())`, forward FLOPs
-against torch's FLOP counter, and the GPT-2 XL figures of the CS336 assignment-1 handout (Stanford, spring 2025), computed by hand."""
+against torch's FLOP counter, and the GPT-2 XL figures of the CS336 assignment-1 handout, computed by hand."""
 
 import argparse
 
@@ -153,3 +153,12 @@ def test_the_experiments_doc_states_the_numbers_the_code_computes():
     assert f"the whole model {acc.num_parameters(silu):,} against {acc.num_parameters(base):,}" in " ".join(
         doc.split()
     )
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "silu", "relu2"])
+def test_cli_takes_every_feed_forward_of_the_model(capsys, ffn):
+    run_cli("--d-model", "64", "--num-layers", "2", "--num-heads", "4", "--vocab-size", "100", "--ffn", ffn)
+    model = TransformerLM.from_config(
+        ModelConfig(vocab_size=100, d_model=64, num_layers=2, num_heads=4, ffn=ffn, context_length=256)
+    )
+    assert f"{sum(p.numel() for p in model.parameters()):,}" in capsys.readouterr().out

@@ -12,8 +12,6 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import RunDirectory
 from scratchlm.training.checkpoint import read_checkpoint
-from scratchlm.training.config import OptimizerConfig
-from scratchlm.training.optim import build_optimizer
 
 CONFIG = ModelConfig(vocab_size=64, context_length=8, d_model=16, num_layers=2, num_heads=2)
 SPEC_KEYS = {
@@ -176,28 +174,3 @@ def test_an_unreadable_checkpoint_is_one_line_naming_the_file(tmp_path, kind):
     expected = {"empty": "is empty", "objects": "not a scratchlm checkpoint", "truncated": "could not be read",
                 "directory": "is not a file"}[kind]  # fmt: skip
     assert expected in message and not message.endswith(": ")
-
-
-def test_a_checkpoint_of_one_parameter_group_resumes_into_the_grouped_optimizer(tmp_path):
-    """Checkpoints written before parameters were grouped by role hold one AdamW group of all parameters; their
-    moments must land on the same parameters of the grouped optimizer, and both must then take the same step."""
-    model, flat = model_and_optimizer()
-    train_steps(model, flat, 3, seed=5)
-    save_checkpoint(model, flat, 3, tmp_path / "old.pt")
-    restored = TransformerLM.from_config(model.config)
-    config = OptimizerConfig(
-        lr=flat.defaults["lr"],
-        weight_decay=flat.defaults["weight_decay"],
-        betas=flat.defaults["betas"],
-        eps=flat.defaults["eps"],
-    )
-    grouped = build_optimizer(config, restored)
-    assert len(grouped.param_groups) > 1
-    load_checkpoint(tmp_path / "old.pt", restored, grouped)
-    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
-        torch.testing.assert_close(flat.state[p]["m"], grouped.state[q]["m"], rtol=0, atol=0)
-        torch.testing.assert_close(flat.state[p]["v"], grouped.state[q]["v"], rtol=0, atol=0)
-    train_steps(model, flat, 1, seed=6)
-    train_steps(restored, grouped, 1, seed=6)
-    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -35,7 +35,7 @@ from interop_helpers import (
     small_tokenizer,
 )
 
-from scratchlm import ModelConfig, Tokenizer, generate, load_trained, train_bpe
+from scratchlm import ModelConfig, Tokenizer, TransformerLM, generate, load_trained, train_bpe
 from scratchlm.interop.hf import read_hf
 from scratchlm.interop.tokenizer_json import from_tokenizer_json
 from scratchlm.tokenizer import END_OF_TEXT
@@ -78,6 +78,20 @@ def test_imported_llama_gives_transformers_logits(tmp_path, kv_heads, tied, shar
     ids = tokens(2, 50)
     with torch.no_grad():
         assert max_difference(model(ids), reference(ids).logits) < 1e-4
+
+
+def test_an_imported_model_keeps_its_rmsnorm_epsilon(tmp_path):
+    # A large epsilon, so that the logits depend on it visibly: importing it as 1e-5 would not match.
+    reference = random_llama(tmp_path / "hf", rms_norm_eps=0.5)
+    model, _ = read_hf(tmp_path / "hf")
+    assert model.config.norm_eps == 0.5
+    ids = tokens(2, 30)
+    with torch.no_grad():
+        assert max_difference(model(ids), reference(ids).logits) < 1e-4
+        default = dataclasses.replace(model.config, norm_eps=1e-5)
+        other = TransformerLM.from_config(default)
+        other.load_state_dict(model.state_dict())
+        assert max_difference(other(ids), reference(ids).logits) > 1e-2
 
 
 def test_imported_qwen3_is_qk_norm(tmp_path):
@@ -193,7 +207,8 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_tokens(tmp_pa
 
 
 @pytest.mark.parametrize(
-    "changes", [{}, {"num_kv_heads": 2, "tie_embeddings": True}, {"qk_norm": True, "num_kv_heads": 1}]
+    "changes",
+    [{}, {"num_kv_heads": 2, "tie_embeddings": True}, {"qk_norm": True, "num_kv_heads": 1, "norm_eps": 1e-6}],
 )
 def test_export_then_import_is_bit_exact(tmp_path, capsys, changes):
     tokenizer = small_tokenizer()
@@ -381,7 +396,7 @@ CORRUPTIONS = {
         "attention_bias = true is not supported",
     ),
     "activation": (lambda d: _edit_config(d, hidden_act="gelu"), 'hidden_act = "gelu" is not supported'),
-    "epsilon": (lambda d: _edit_config(d, rms_norm_eps=1e-6), "rms_norm_eps = 1e-06 is not supported"),
+    "epsilon": (lambda d: _edit_config(d, rms_norm_eps=0), "model.norm_eps must lie in (0, 1), got 0"),
     "head_dim": (lambda d: _edit_config(d, head_dim=32), "head_dim = 32"),
     "missing tensor": (
         lambda d: _replace_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),

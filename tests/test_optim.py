@@ -1,4 +1,4 @@
-"""AdamW against torch.optim.AdamW; the SGD toy example of the CS336 assignment-1 handout (Stanford, spring 2025)."""
+"""AdamW against torch.optim.AdamW; the SGD toy example of the CS336 assignment-1 handout."""
 
 import math
 
@@ -134,3 +134,54 @@ def test_sgd_toy_example_behaviour():
     assert small[-1] > 0.1 * small[0]
     assert medium[-1] < 1e-10 * medium[0]  # lr 100: collapses (the factors are -1, -0.41, -0.15, 0)
     assert large[-1] > 1e10 * large[0]  # lr 1000: diverges
+
+
+def _groups_by_name(model: torch.nn.Module) -> dict[str, list[str]]:
+    """An independent rule, by the parameters' names: what each role means for the model's layout."""
+    groups: dict[str, list[str]] = {"matrices": [], "embeddings": [], "head": [], "gains": []}
+    for name, param in model.named_parameters():
+        if name == "token_embeddings.weight" or name.startswith("value_embeddings."):
+            groups["embeddings"].append(name)
+        elif name == "lm_head.weight":
+            groups["head"].append(name)
+        elif name.endswith("norm.weight") or name.startswith(("ln_final.", "skip_weights")) or ".ln" in name:
+            groups["gains"].append(name)
+        else:
+            assert name.startswith("layers.") and param.dim() == 2, name
+            groups["matrices"].append(name)
+    return groups
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"tie_embeddings": True},
+        {"value_embeddings": 1, "unet_skips": True, "qk_norm": True, "ffn": "relu2"},
+        {"norm": "post", "ffn": "silu"},
+        {"norm": "none", "num_kv_heads": 1},
+    ],
+)
+def test_the_model_declares_its_parameter_groups(changes):
+    from scratchlm import ModelConfig, TransformerLM, parameter_groups
+
+    config = ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=2, num_heads=2, **changes)
+    model = TransformerLM.from_config(config)
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = {role: [names[id(p)] for p in params] for role, params in parameter_groups(model).items()}
+    assert groups == _groups_by_name(model)  # in the order of named_parameters, as optimizer states are saved
+
+
+def test_parameter_groups_that_miss_or_repeat_a_parameter_are_refused():
+    from scratchlm import ModelConfig, TransformerLM, parameter_groups
+
+    model = TransformerLM.from_config(
+        ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2)
+    )
+    declared = TransformerLM.parameter_groups(model)
+    model.parameter_groups = lambda: {**declared, "gains": declared["gains"][1:]}
+    with pytest.raises(ValueError, match=r"missing layers\.0\.ln1\.weight"):
+        parameter_groups(model)
+    model.parameter_groups = lambda: {**declared, "head": declared["head"] + declared["embeddings"]}
+    with pytest.raises(ValueError, match="is in groups embeddings and head|is in groups head and embeddings"):
+        parameter_groups(model)

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from scratchlm import ModelConfig, TransformerLM, train, wsd_lr_schedule
 from scratchlm.errors import ScratchlmError
 from scratchlm.model import accounting
+from scratchlm.training import recipes
 from scratchlm.training.config import TrainConfig
 
 TINY = ModelConfig(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_heads=4)
@@ -309,3 +311,31 @@ def test_the_fast_configs_train_a_few_steps_on_cpu(tmp_path, name):
     ]  # fmt: skip
     summary = train(TrainConfig.load(PROJECT_ROOT / "configs" / name, tiny))
     assert summary.steps == 3 and math.isfinite(summary.final_val_loss)
+
+
+@pytest.mark.parametrize("name", ["tinystories-fast.toml", "owt-leaderboard.toml"])
+def test_the_fast_configs_follow_the_one_fast_recipe(name):
+    """Every key the fast recipe sets has the recipe's value in the shipped configs (the keys of a model's
+    shape, which the recipe leaves to each config, are theirs to choose)."""
+    values = tomllib.loads((PROJECT_ROOT / "configs" / name).read_text())
+    assert recipes.differences(recipes.FAST, values) == []
+    # and the comparison sees a config that strays from the recipe
+    values["optimizer"]["muon_lr"] = 0.05
+    assert recipes.differences(recipes.FAST, values) == ["optimizer.muon_lr: recipe 0.03, config 0.05"]
+
+
+def test_the_quickstart_and_the_benchmark_take_the_fast_recipe_from_one_place():
+    from scratchlm.quickstart import RECIPES
+
+    fast = RECIPES["fast"]
+    assert recipes.differences(recipes.FAST, fast) == []
+    # what the quickstart adds is its shape only: the size of the model, the warm-up and the batch
+    shape = {(s, k) for s, values in fast.items() for k in values} - {
+        (s, k) for s, values in recipes.FAST.items() for k in values
+    }
+    assert shape == {
+        ("model", "num_layers"), ("model", "value_embeddings"), ("schedule", "warmup_iters"),
+        ("training", "batch_size"),
+    }  # fmt: skip
+    source = (PROJECT_ROOT / "benchmarks" / "bench_recipe.py").read_text()
+    assert '"muon_lr"' not in source and "from scratchlm.training.recipes import" in source

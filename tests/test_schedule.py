@@ -1,4 +1,4 @@
-"""cosine_lr_schedule against values computed by hand from the formula of the CS336 assignment-1 handout (Stanford, spring 2025)."""
+"""cosine_lr_schedule against values computed by hand from the formula of the CS336 assignment-1 handout."""
 
 import math
 

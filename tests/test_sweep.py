@@ -121,6 +121,8 @@ def test_sweep_of_two_runs_writes_table_and_plot_and_survives_divergence(
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1200, 450)
     assert json.loads((out / "sweep.json").read_text())["lr_lr=1e30"]["status"] == "diverged"
+    diverged = json.loads((out / "lr_lr=1e30" / "summary.json").read_text())
+    assert diverged["stopped"] == "diverged"  # the run's own summary says so too
 
 
 def test_sweep_resumes_without_retraining(

@@ -414,3 +414,34 @@ def test_inconsistent_merges_are_rejected(tmp_path) -> None:
         Tokenizer.from_dir(tmp_path / "dir")
     with pytest.raises(ScratchlmError, match="empty string"):
         Tokenizer({i: bytes([i]) for i in range(256)}, [], [""])
+
+
+def test_eos_id_is_the_id_of_end_of_text_or_none():
+    vocab = {i: bytes([i]) for i in range(256)}
+    with_eos = Tokenizer(dict(vocab), [], ["<|pad|>", "<|endoftext|>"])
+    assert with_eos.eos_id == with_eos.encode("<|endoftext|>")[0] == with_eos.token_id("<|endoftext|>")
+    assert with_eos.eos_id != with_eos.token_id("<|pad|>")
+    assert Tokenizer(dict(vocab), [], ["<|pad|>"]).eos_id is None
+    assert Tokenizer(dict(vocab), []).eos_id is None
+
+
+def test_every_byte_cut_of_bpe_training_is_a_cut_of_the_tokenizer():
+    """Training splits files at `ASCII_LETTER_CUT_PATTERN` and the tokenizer streams text at `CUT_PATTERN`:
+    the first must only find places the second allows, and each must keep the pre-tokens on both sides."""
+    import regex
+
+    from scratchlm.tokenizer.pretokenize import ASCII_LETTER_CUT_PATTERN, CUT_PATTERN, PRETOKEN_RE
+
+    byte_cut, text_cut = regex.compile(ASCII_LETTER_CUT_PATTERN), regex.compile(CUT_PATTERN)
+    found = 0
+    for a in range(128):
+        for b in range(128):
+            pair = chr(a) + chr(b)
+            if byte_cut.match(pair.encode()):
+                found += 1
+                assert text_cut.match(pair), repr(pair)
+                text = "x" + pair + "y"
+                assert PRETOKEN_RE.findall(text) == PRETOKEN_RE.findall(text[:2]) + PRETOKEN_RE.findall(
+                    text[2:]
+                )
+    assert found == 52 * (128 - 52)  # every letter before every non-letter

@@ -1,5 +1,5 @@
 """BPE training against the reference merges, the spec's worked example, and a brute-force trainer written
-here from the CS336 assignment-1 handout (Stanford, spring 2025) (recount every pair at every step), on many random corpora."""
+here from the CS336 assignment-1 handout (recount every pair at every step), on many random corpora."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.training.config import TrainConfig, parse_override
+from scratchlm.training.config import TrainConfig, config_differences, parse_override
 from tests.helpers import PROJECT_ROOT
 
 REQUIRED = ["data.train=t.npy", "data.valid=v.npy", "training.max_steps=10"]
@@ -155,3 +155,20 @@ def test_cli_reports_a_bad_data_file_in_one_line(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "t.npy has id 300 at position 2" in lines[0]
+
+
+def test_config_differences_by_section_and_with_keys_that_may_change():
+    data = {"train": "t.npy", "valid": "v.npy"}
+    base = {"data": data, "training": {"max_steps": 10}}
+    recorded = {**base, "model": {"num_layers": 2, "attention": "torch"}, "optimizer": {"lr": 1e-3}}
+    current = TrainConfig.from_dict({**base, "model": {"num_layers": 3}, "optimizer": {"lr": 3e-4}})
+    # every section, with the keys a resumed run may change left out (model.attention is one)
+    assert config_differences(recorded, current) == [
+        ("model.num_layers", 2, 3), ("optimizer.lr", 1e-3, 3e-4)
+    ]  # fmt: skip
+    # the model alone, each field compared (what training.init_from checks)
+    assert config_differences(recorded, current, sections=("model",), changeable=()) == [
+        ("model.num_layers", 2, 3), ("model.attention", "torch", None)
+    ]  # fmt: skip
+    # a recorded key the record lacks counts as its default: the spec's lr is not a change from itself
+    assert config_differences(base, TrainConfig.from_dict(base), changeable=()) == []

@@ -159,3 +159,43 @@ def test_rmsnorm_and_softmax_stay_float32_inside_autocast():
     exact = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
     assert torch.equal(normed, exact.to(torch.bfloat16))
     assert torch.equal(probs, torch.softmax(scores.float(), -1).to(torch.bfloat16))
+
+
+def test_norm_eps_reaches_every_rmsnorm_and_is_left_out_of_configs_at_its_default():
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.layers import RMSNorm
+
+    config = ModelConfig(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, qk_norm=True)
+    assert "norm_eps" not in config.to_dict()  # configs and checkpoints written before it read the same
+    assert ModelConfig.from_dict(config.to_dict()).norm_eps == 1e-5
+    changed = ModelConfig.from_dict({**config.to_dict(), "norm_eps": 1e-6})
+    assert changed.to_dict()["norm_eps"] == 1e-6
+    norms = [m for m in TransformerLM.from_config(changed).modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 2 + 2 * 2 + 1  # two per block, QK-norm's two per block, the final one
+    assert {m.eps for m in norms} == {1e-6}
+
+
+def test_one_constructor_takes_the_config_or_the_handouts_arguments():
+    from scratchlm import MultiHeadSelfAttention
+
+    config = ModelConfig(vocab_size=40, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    torch.manual_seed(0)
+    loose = TransformerLM(40, 16, 32, 2, 4, 64)
+    torch.manual_seed(0)
+    by_config = TransformerLM(config=config)
+    assert loose.config == by_config.config == config
+    theirs = by_config.state_dict()
+    assert loose.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(value, theirs[key]) for key, value in loose.state_dict().items())
+    block = TransformerBlock(32, 4, 64, 16)
+    assert block.attn.d_model == 32 and TransformerBlock(config=config).attn.num_heads == 4
+    assert MultiHeadSelfAttention(config=config).q_proj.weight.shape == (32, 32)
+    for both in (
+        lambda: TransformerLM(40, 16, 32, 2, 4, 64, config=config),
+        lambda: TransformerBlock(32, 4, 64, 16, config=config),
+        lambda: MultiHeadSelfAttention(32, 4, config=config),
+    ):
+        with pytest.raises(TypeError, match="not both"):
+            both()
+    with pytest.raises(TypeError, match="or config="):
+        TransformerLM(40, 16)

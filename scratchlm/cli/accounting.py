@@ -21,6 +21,7 @@ SHAPE_FLAGS = ("vocab_size", "context_length", "num_layers", "d_model", "num_hea
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from scratchlm.model.accounting import GPT2_PRESETS
+    from scratchlm.model.config import FFNS, NORMS
 
     parser.add_argument(
         "--preset", choices=list(GPT2_PRESETS), help="a GPT-2 shape (default: the TinyStories model)"
@@ -28,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("model shape (each overrides the preset)")
     for name in SHAPE_FLAGS:
         shape.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N")
-    shape.add_argument("--ffn", choices=("swiglu", "silu"), help="feed-forward network (default swiglu)")
-    shape.add_argument("--norm", choices=("pre", "post", "none"), help="RMSNorm placement (default pre)")
+    shape.add_argument("--ffn", choices=FFNS, help="feed-forward network (default swiglu)")
+    shape.add_argument("--norm", choices=NORMS, help="RMSNorm placement (default pre)")
     shape.add_argument(
         "--tie-embeddings", action="store_true", help="the LM head reuses the token embeddings"
     )

@@ -1,4 +1,4 @@
-"""`scratchlm download tinystories|owt-sample`: fetch a dataset of the CS336 assignment-1 handout (Stanford, spring 2025), resumably."""
+"""`scratchlm download tinystories|owt-sample`: fetch a dataset of the CS336 assignment-1 handout, resumably."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer = trained.model, trained.tokenizer
     device = next(model.parameters()).device
     precision = inference_plan(args, device).precision.value
-    eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
+    eos_id = tokenizer.eos_id
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         if eos_id is None:

@@ -44,7 +44,6 @@ def run(args: argparse.Namespace) -> None:
         ) from None
     from scratchlm.console import console
     from scratchlm.serving.engine import Engine
-    from scratchlm.tokenizer import END_OF_TEXT
 
     if args.max_batch < 1 or args.max_queue < 1:
         raise ScratchlmError(
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
         raise ScratchlmError(f"--port must be in 0..65535, got {args.port}")
     trained = load_model_source(args, require_tokenizer=True)
     tokenizer = trained.tokenizer
-    eos_id = tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
+    eos_id = tokenizer.eos_id
     name = model_name(args.run, trained.checkpoint)
     choices = inference_plan(args, next(trained.model.parameters()).device)
     console.print(choices.summary(), markup=False)

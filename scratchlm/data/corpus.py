@@ -2,7 +2,7 @@
 
 Every Python installation carries several megabytes of carefully written English-and-code text in its standard
 library (about 11 MB without the test suites, about 31 MB with them, for CPython 3.11). Each source file is one
-document; documents are joined with `<|endoftext|>`, the convention of the datasets of the CS336 assignment-1 handout (Stanford, spring 2025).
+document; documents are joined with `<|endoftext|>`, the convention of the datasets of the CS336 assignment-1 handout.
 Held-out validation documents are whole files, chosen by a hash of their path, so the split is the same on every
 machine with the same Python version and never cuts a file in two.
 

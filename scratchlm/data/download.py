@@ -1,4 +1,4 @@
-"""The datasets of the CS336 assignment-1 handout (Stanford, spring 2025) over HTTP: resumable, size-checked, decompressed, written atomically.
+"""The datasets of the CS336 assignment-1 handout over HTTP: resumable, size-checked, decompressed, written atomically.
 
 A download streams into `NAME.part` beside its destination. If it is interrupted (network error, Ctrl-C), the
 next attempt asks the server for the rest with an HTTP `Range: bytes=N-` header and appends; a server that

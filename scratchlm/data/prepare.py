@@ -28,7 +28,7 @@ from scratchlm.tokenizer.serialization import load_tokenizer_files, save_tokeniz
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train import train_bpe
 
-# The vocabulary size the CS336 assignment-1 handout (Stanford, spring 2025) uses for each downloadable dataset.
+# The vocabulary size the CS336 assignment-1 handout uses for each downloadable dataset.
 VOCAB_SIZES = {"tinystories": 10_000, "owt-sample": 32_000}
 
 

@@ -46,7 +46,8 @@ from scratchlm.run.summary import StopReason
 
 SWEEP_FILE = "sweep.json"
 SWEEP_KIND = "sweep"  # the output marker of a sweep directory (scratchlm.io)
-DIVERGED = "diverged"  # a run's status in sweep.json when training raised DivergedError
+# A run's status in sweep.json is the value of its `StopReason`: "diverged" when training raised DivergedError.
+DIVERGED = StopReason.DIVERGED.value
 TABLE_FILE = "results.md"
 PLOT_FILE = "curves.png"
 
@@ -244,8 +245,9 @@ def _row(run: SweepRun, outcome: dict[str, Any], vocab_size: int) -> dict[str, A
     loss of the uniform distribution, gets a note: it is no better than a model that has learnt nothing."""
     row: dict[str, Any] = {"run": run.name, "settings": dict(run.varied), "status": outcome["status"]}
     if outcome["status"] == DIVERGED:
-        # (sweeps written by earlier versions kept only the error message)
-        step = f" by step {outcome['step']}" if "step" in outcome else ""
+        # A run found diverged by its summary (a sweep started again) has the step there.
+        steps = outcome["step"] if "step" in outcome else outcome.get("summary", {}).get("steps")
+        step = f" by step {steps}" if steps is not None else ""
         row["note"] = f"non-finite {outcome.get('quantity', 'loss')}{step}"
         return row
     summary = outcome["summary"]

@@ -51,6 +51,7 @@ SHAPE_FIELDS = frozenset(
         "d_ff",
         "rope_theta",
         "tie_embeddings",
+        "norm_eps",  # rms_norm_eps (HF), layer_norm_rms_epsilon (GGUF)
     }
 )
 # Fields that change only the initial weights, never the function a trained model computes.

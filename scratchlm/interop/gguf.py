@@ -32,7 +32,7 @@ import torch
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.interop import StateDictAdapter, check_exportable, require
-from scratchlm.interop.hf import RMS_NORM_EPS, ExportResult, eos_id
+from scratchlm.interop.hf import ExportResult
 from scratchlm.interop.verify import (
     DTYPES,
     as_stored,
@@ -105,7 +105,7 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
     writer.add_feed_forward_length(c.d_ff)
     writer.add_head_count(c.num_heads)
     writer.add_head_count_kv(c.kv_heads)
-    writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+    writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_rope_dimension_count(c.head_dim)
     writer.add_vocab_size(c.vocab_size)
@@ -116,7 +116,7 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    if (eos := eos_id(tokenizer)) is not None:
+    if (eos := tokenizer.eos_id) is not None:
         writer.add_bos_token_id(eos)
         writer.add_eos_token_id(eos)
     writer.add_add_bos_token(False)

@@ -56,7 +56,7 @@ from scratchlm.interop import (
 from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
 from scratchlm.interop.verify import DTYPES, as_stored, check_logits, optional_transformers, quiet
 from scratchlm.io import atomic_directory, atomic_write, check_output_dir, to_toml
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RUN_KIND, RunDirectory
@@ -64,7 +64,6 @@ from scratchlm.run.load import TOKENIZER_DIR, TrainedModel, check_pair
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
-RMS_NORM_EPS = 1e-5  # scratchlm's RMSNorm epsilon (`layers.RMSNorm`)
 HF_EXPORT_KIND = "hf-export"  # the output marker of an exported directory (scratchlm.io)
 # A text that exercises every kind of pre-token, special tokens and multi-byte characters: the exported
 # tokenizer must give scratchlm's ids on it.
@@ -105,16 +104,11 @@ class ExportResult:
 # -- export ----------------------------------------------------------------------------------------------------
 
 
-def eos_id(tokenizer: Tokenizer) -> int | None:
-    """The id of <|endoftext|>, which ends a sequence (and starts one), if the tokenizer has it."""
-    return tokenizer.token_id(END_OF_TEXT) if END_OF_TEXT in tokenizer.special_tokens else None
-
-
 def hf_config(
     config: ModelConfig, architecture: Architecture, tokenizer: Tokenizer, dtype: str
 ) -> dict[str, Any]:
     """config.json: transformers' names for the model of `config`."""
-    eos = eos_id(tokenizer)
+    eos = tokenizer.eos_id
     values: dict[str, Any] = {
         "architectures": [architecture.hf_class],
         "model_type": architecture.name,
@@ -127,7 +121,7 @@ def hf_config(
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.context_length,
-        "rms_norm_eps": RMS_NORM_EPS,
+        "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": None,
         "attention_bias": False,
@@ -185,7 +179,7 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
     with atomic_directory(out, HF_EXPORT_KIND) as tmp:
         safetensors_torch.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config(config, architecture, trained.tokenizer, dtype))
-        eos = eos_id(trained.tokenizer)
+        eos = trained.tokenizer.eos_id
         _write_json(tmp / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos})
         write_tokenizer(trained.tokenizer, tmp, config.context_length)
         difference = _verify(tmp, model, trained.tokenizer, dtype)
@@ -241,7 +235,6 @@ def model_config_from_hf(values: Any, source: str) -> ModelConfig:
         "rope_parameters.rope_type": (rope.get("rope_type", "default"), "default"),
         "attention_bias": (values.get("attention_bias", False), False),
         "mlp_bias": (values.get("mlp_bias", False), False),
-        "rms_norm_eps": (values.get("rms_norm_eps", RMS_NORM_EPS), RMS_NORM_EPS),
         "use_sliding_window": (values.get("use_sliding_window", False), False),
     }
     for key, (value, expected) in unsupported.items():
@@ -271,6 +264,7 @@ def model_config_from_hf(values: Any, source: str) -> ModelConfig:
             d_ff=values["intermediate_size"],
             rope_theta=float(rope.get("rope_theta", values.get("rope_theta", 10_000.0))),
             tie_embeddings=bool(values.get("tie_word_embeddings", False)),
+            norm_eps=values.get("rms_norm_eps", DEFAULT_NORM_EPS),
             **architecture.departures,
         )
     except (ScratchlmError, TypeError, ValueError) as e:

@@ -1,6 +1,6 @@
 """Resource accounting: parameters, FLOPs and training memory of a `ModelConfig`, from formulas.
 
-Conventions (those of the CS336 assignment-1 handout (Stanford, spring 2025)):
+Conventions (those of the CS336 assignment-1 handout):
 
 - A matrix multiply `(m × n) @ (n × p)` costs `2 m n p` FLOPs (one multiply and one add per term). Only matrix
   multiplies are counted; normalisation, softmax, RoPE and the residual additions are O(seq · d_model) each,

@@ -1,6 +1,6 @@
 """The model's hyperparameters in one dataclass, saved inside every checkpoint.
 
-The defaults are the TinyStories model of the CS336 assignment-1 handout (Stanford, spring 2025) (≈17M non-embedding parameters). The ablation switches
+The defaults are the TinyStories model of the CS336 assignment-1 handout (≈17M non-embedding parameters). The ablation switches
 of the experiments are fields too: `norm` (pre-norm, post-norm, or no RMSNorm at all), `positions` (RoPE or
 none, i.e. NoPE), `ffn` (SwiGLU, or a SiLU MLP `W2 silu(W1 x)`) and `tie_embeddings` (the LM head reuses the
 token embedding matrix). `num_kv_heads` below `num_heads` is grouped-query attention (Ainslie et al., 2023):
@@ -31,6 +31,7 @@ NORMS = ("pre", "post", "none")
 POSITIONS = ("rope", "none")
 FFNS = ("swiglu", "silu", "relu2")
 ATTENTIONS = ("auto", "triton", "torch")
+DEFAULT_NORM_EPS = 1e-5  # the handout's RMSNorm epsilon, and LLaMA's
 #: Fields that choose how the model's function is computed, not what it is (export and init_from ignore them).
 COMPUTATION_FIELDS = frozenset({"attention"})
 
@@ -63,6 +64,9 @@ class ModelConfig:
     value_embeddings: int = 0  # n tables; block i and block num_layers - n + i add table i to their values
     unet_skips: bool = False  # block num_layers - 1 - i also reads block i's output (i < num_layers // 2)
     attention: Literal["auto", "triton", "torch"] = "auto"  # how attention is computed (not what)
+    norm_eps: float = (
+        DEFAULT_NORM_EPS  # RMSNorm's epsilon: a / sqrt(mean(a²) + eps); imported models bring theirs
+    )
 
     def __post_init__(self) -> None:
         if self.d_ff is None:
@@ -102,6 +106,8 @@ class ModelConfig:
         for name in ("tie_embeddings", "qk_norm", "zero_init", "unet_skips"):
             if not isinstance(getattr(self, name), bool):
                 raise ScratchlmError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if not (isinstance(self.norm_eps, int | float) and 0 < self.norm_eps < 1):
+            raise ScratchlmError(f"model.norm_eps must lie in (0, 1), got {self.norm_eps!r}")
         if not self.logit_softcap >= 0:
             raise ScratchlmError(f"model.logit_softcap must be >= 0 (0: off), got {self.logit_softcap!r}")
         n = self.value_embeddings
@@ -148,9 +154,12 @@ class ModelConfig:
         return train_step_flops(self, batch_size=1) // self.context_length
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; `num_kv_heads` only under grouped-query attention and `attention` only when not "auto",
-        so that other configs read and write exactly as before they existed."""
+        """The fields; `num_kv_heads` only under grouped-query attention, `attention` only when not "auto" and
+        `norm_eps` only when not the default, so that other configs read and write exactly as before they
+        existed (and a config or checkpoint without them loads with the default)."""
         values = dataclasses.asdict(self)
+        if self.norm_eps == DEFAULT_NORM_EPS:
+            del values["norm_eps"]
         if self.num_kv_heads is None:
             del values["num_kv_heads"]
         if self.attention == "auto":

@@ -22,7 +22,7 @@ hundreds of bfloat16 values loses most of its digits.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Self
 
 import torch
 from einops import rearrange
@@ -30,10 +30,21 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.kv_cache import LayerKVCache
 
 Device = torch.device | str | None
+
+
+class FromConfig:
+    """`from_config(config, device, dtype)` for a model class whose one constructor takes `config=`: the way
+    `TransformerLM` builds its parts, the config flowing down."""
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> Self:
+        return cls(config=config, device=device, dtype=dtype)
 
 
 def _at_least_float32(x: Tensor) -> Tensor:
@@ -99,7 +110,7 @@ class RMSNorm(nn.Module):
     def __init__(
         self,
         d_model: int,
-        eps: float = 1e-5,
+        eps: float = DEFAULT_NORM_EPS,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -412,7 +423,7 @@ def triton_attention() -> Any:
     return flash_attention
 
 
-class MultiHeadSelfAttention(nn.Module):
+class MultiHeadSelfAttention(FromConfig, nn.Module):
     """Causal multi-head self-attention: project to queries, keys and values, split `d_model` into
     `num_heads` heads of `d_k = d_model / num_heads` that attend independently (as one more batch
     dimension), concatenate, project back. Queries and keys then go through the position encoding of
@@ -435,35 +446,35 @@ class MultiHeadSelfAttention(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
+        d_model: int | None = None,
+        num_heads: int | None = None,
         max_seq_len: int | None = None,
         theta: float | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
+        *,
+        config: ModelConfig | None = None,
     ) -> None:
-        """The signature of the CS336 assignment-1 handout (Stanford, spring 2025): RoPE with `theta` (which needs `max_seq_len`), none without."""
+        """The one constructor: the model's `config` (what `from_config` passes), or the loose arguments of
+        the CS336 assignment-1 handout's signature, which the public API keeps: RoPE with `theta` (which
+        needs `max_seq_len`), none without."""
         super().__init__()
-        if d_model % num_heads:
-            raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-        if theta is not None and max_seq_len is None:
-            raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
-        config = ModelConfig(
-            d_model=d_model,
-            num_heads=num_heads,
-            context_length=max_seq_len or 1,
-            positions="rope" if theta is not None else "none",
-            rope_theta=theta if theta is not None else ModelConfig.rope_theta,
-        )
-        self.build(config, device, dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> MultiHeadSelfAttention:
-        return build_from_config(cls, config, device, dtype)
-
-    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if config is None:
+            if d_model is None or num_heads is None:
+                raise TypeError("MultiHeadSelfAttention needs d_model and num_heads, or config=")
+            if d_model % num_heads:
+                raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+            if theta is not None and max_seq_len is None:
+                raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
+            config = ModelConfig(
+                d_model=d_model,
+                num_heads=num_heads,
+                context_length=max_seq_len or 1,
+                positions="rope" if theta is not None else "none",
+                rope_theta=theta if theta is not None else ModelConfig.rope_theta,
+            )
+        elif (d_model, num_heads, max_seq_len, theta) != (None, None, None, None):
+            raise TypeError("pass either the handout's arguments or config=, not both")
         self.d_model, self.num_heads, self.num_kv_heads = config.d_model, config.num_heads, config.kv_heads
         self.attention = config.attention
         kv_dim = config.kv_heads * config.head_dim
@@ -474,8 +485,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.positions = position_encoding(config, device)
         # QK-norm: one gain per head dimension, shared by the heads. Queries and keys of RMS 1 bound every
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
-        self.q_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, device=device, dtype=dtype) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
 
     def _uses_kernel(self, q: Tensor) -> bool:
         """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a
@@ -560,12 +571,3 @@ def _attend(
 ) -> Float[Tensor, "... queries d_v"]:
     """Causal attention, the queries being the last keys; or, with a mask, the keys the mask allows."""
     return causal_attention(q, k, v) if mask is None else scaled_dot_product_attention(q, k, v, mask)
-
-
-def build_from_config(cls: type, config: ModelConfig, device: Device, dtype: torch.dtype | None) -> Any:
-    """A module of class `cls` built by its `build(config, device, dtype)`, bypassing the handout's
-    loose-argument `__init__`: the path every model part takes inside `TransformerLM`."""
-    module = cls.__new__(cls)
-    nn.Module.__init__(module)
-    module.build(config, device, dtype)
-    return module

@@ -40,60 +40,58 @@ from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache
 from scratchlm.model.layers import (
     Device,
     Embedding,
+    FromConfig,
     Linear,
     MultiHeadSelfAttention,
     RMSNorm,
     _at_least_float32,
-    build_from_config,
     feed_forward,
 )
 from scratchlm.training.loss import fused_linear_cross_entropy
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(FromConfig, nn.Module):
     """Causal self-attention then a feed-forward network, each inside a residual connection, with RMSNorm
     before each (pre-norm, default), after each addition (post-norm), or nowhere (`config.norm`)."""
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        max_seq_len: int,
+        d_model: int | None = None,
+        num_heads: int | None = None,
+        d_ff: int | None = None,
+        max_seq_len: int | None = None,
         theta: float | None = 10_000.0,
         *,
         norm: str = "pre",
         ffn: str = "swiglu",
+        config: ModelConfig | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """The signature of the CS336 assignment-1 handout (Stanford, spring 2025) (`theta=None`: no position encoding); `from_config` is the way
-        `TransformerLM` builds its blocks."""
+        """The one constructor: the model's `config` (what `from_config`, and so `TransformerLM`, passes), or
+        the loose arguments of the CS336 assignment-1 handout's signature, which the public API keeps
+        (`theta=None`: no position encoding)."""
         super().__init__()
-        config = ModelConfig(
-            d_model=d_model,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            context_length=max_seq_len,
-            positions="rope" if theta is not None else "none",
-            rope_theta=theta if theta is not None else ModelConfig.rope_theta,
-            norm=norm,
-            ffn=ffn,
-        )
-        self.build(config, device, dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> TransformerBlock:
-        return build_from_config(cls, config, device, dtype)
-
-    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if config is None:
+            if None in (d_model, num_heads, d_ff, max_seq_len):
+                raise TypeError("TransformerBlock needs d_model, num_heads, d_ff and max_seq_len, or config=")
+            config = ModelConfig(
+                d_model=d_model,
+                num_heads=num_heads,
+                d_ff=d_ff,
+                context_length=max_seq_len,
+                positions="rope" if theta is not None else "none",
+                rope_theta=theta if theta is not None else ModelConfig.rope_theta,
+                norm=norm,
+                ffn=ffn,
+            )
+        elif (d_model, num_heads, d_ff, max_seq_len) != (None, None, None, None):
+            raise TypeError("pass either the handout's arguments or config=, not both")
         self.norm = config.norm
         with_norms = config.norm != "none"
-        self.ln1 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
+        self.ln1 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
         self.attn = MultiHeadSelfAttention.from_config(config, device, dtype)
-        self.ln2 = RMSNorm(config.d_model, device=device, dtype=dtype) if with_norms else None
+        self.ln2 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
         self.ffn = feed_forward(config, device, dtype)
         if config.zero_init:  # after the random init, so the other weights are those of zero_init=False
             with torch.no_grad():
@@ -120,7 +118,7 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(x)
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(FromConfig, nn.Module):
     """Token ids `(..., seq)` -> next-token logits `(..., seq, vocab_size)`, `seq <= context_length`.
 
     With a `kv_cache` (from `new_kv_cache`), `token_ids` `(batch, n)` are the tokens that follow those the
@@ -130,40 +128,40 @@ class TransformerLM(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        context_length: int,
-        d_model: int,
-        num_layers: int,
-        num_heads: int,
-        d_ff: int | None,
+        vocab_size: int | None = None,
+        context_length: int | None = None,
+        d_model: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
+        d_ff: int | None = None,
         rope_theta: float = 10_000.0,
         *,
+        config: ModelConfig | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
         **switches: Any,
     ) -> None:
-        """The handout's signature; the other `ModelConfig` fields (`norm`, `positions`, `ffn`,
-        `tie_embeddings`, ...) are keyword arguments. `TransformerLM.from_config(config)` is the same."""
+        """The one constructor: the model's `config` (what `from_config` passes), or the loose arguments of
+        the CS336 assignment-1 handout's signature, which the public API keeps, with the other `ModelConfig`
+        fields (`norm`, `positions`, `ffn`, `tie_embeddings`, ...) as keyword arguments."""
         super().__init__()
-        config = ModelConfig(
-            vocab_size=vocab_size,
-            context_length=context_length,
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            rope_theta=rope_theta,
-            **switches,
-        )
-        self.build(config, device, dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> TransformerLM:
-        return build_from_config(cls, config, device, dtype)
-
-    def build(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if config is None:
+            if None in (vocab_size, context_length, d_model, num_layers, num_heads):
+                raise TypeError(
+                    "TransformerLM needs vocab_size, context_length, d_model, num_layers and num_heads, or config="
+                )
+            config = ModelConfig(
+                vocab_size=vocab_size,
+                context_length=context_length,
+                d_model=d_model,
+                num_layers=num_layers,
+                num_heads=num_heads,
+                d_ff=d_ff,
+                rope_theta=rope_theta,
+                **switches,
+            )
+        elif (vocab_size, context_length, d_model, num_layers, num_heads, d_ff) != (None,) * 6 or switches:
+            raise TypeError("pass either the handout's arguments or config=, not both")
         self.config = config
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -184,7 +182,9 @@ class TransformerLM(nn.Module):
             else None
         )
         # A post-norm block already ends with an RMSNorm; with norm="none" there is none anywhere.
-        self.ln_final = RMSNorm(config.d_model, device=device, dtype=dtype) if config.norm == "pre" else None
+        self.ln_final = (
+            RMSNorm(config.d_model, config.norm_eps, device, dtype) if config.norm == "pre" else None
+        )
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         if config.tie_embeddings:
             # One matrix for both ends. It takes the LM head's initialisation (std ≈ sqrt(2 / (vocab + d_model)))
@@ -239,6 +239,30 @@ class TransformerLM(nn.Module):
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(_at_least_float32(logits) / cap)
         return logits
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The parameters by the role they play, which optimizers give settings of their own
+        (`scratchlm.training.optim.parameter_groups`); the model declares them from its own structure:
+
+        - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one) and
+          the value-embedding tables;
+        - "head": the output projection to the vocabulary, when it is a matrix of its own;
+        - "gains": the RMSNorm gains and the U-net skip weights;
+        - "matrices": the weight matrices of the blocks (attention's projections, the feed-forward's).
+
+        Within a group the parameters keep the order of `parameters()`, the order optimizer states are saved
+        in. The caller checks that the groups hold every parameter exactly once."""
+        embeddings = [self.token_embeddings.weight]
+        if self.value_embeddings is not None:
+            embeddings += [table.weight for table in self.value_embeddings]
+        head = [] if self.config.tie_embeddings else [self.lm_head.weight]
+        gains = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        if self.skip_weights is not None:
+            gains.append(self.skip_weights)
+        matrices = [m.weight for m in self.layers.modules() if isinstance(m, Linear)]
+        declared = {"matrices": matrices, "embeddings": embeddings, "head": head, "gains": gains}
+        order = {id(p): i for i, p in enumerate(self.parameters())}
+        return {name: sorted(params, key=lambda p: order.get(id(p), -1)) for name, params in declared.items()}
 
     def new_kv_cache(self, batch_size: int) -> KVCache:
         """An empty cache for generating `batch_size` sequences at once (it fills on the model's device, in

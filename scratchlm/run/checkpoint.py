@@ -101,9 +101,34 @@ def _write(state: dict[str, Any], out: str | os.PathLike | IO[bytes]) -> None:
     state[CHECKSUM_KEY] = content_digest(state)
     if isinstance(out, str | os.PathLike):
         with atomic_write(out, "wb") as f:
-            torch.save(state, f)
+            writer = _Writer(f)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:
+                # torch.save turns the OSError of a failed write (a full disk) into an opaque RuntimeError;
+                # the OSError itself is what `atomic_write` reports as a one-line fault.
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
     else:
         torch.save(state, out)
+
+
+class _Writer:
+    """A file for `torch.save` that keeps the OSError of a failed write, which torch.save hides."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> dict[str, Any]:
@@ -180,34 +205,8 @@ def load_checkpoint(
             raise ScratchlmError(
                 "checkpoint has no optimizer state (an imported model): start a new run from it"
             )
-        optimizer.load_state_dict(_regrouped(state[OPTIMIZER], optimizer, unwrap_model(model)))
+        optimizer.load_state_dict(state[OPTIMIZER])
     return int(state[STEP])
-
-
-def _regrouped(
-    saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module
-) -> dict[str, Any]:
-    """A saved optimizer state in `optimizer`'s parameter groups. Checkpoints written before the parameters
-    were grouped by role (`scratchlm.training.optim.parameter_groups`) hold one group of all parameters, in
-    `model.parameters()` order; each parameter's state moves to the group it belongs to now, and every group
-    takes the saved hyperparameters."""
-    groups = optimizer.param_groups
-    if len(saved["param_groups"]) == len(groups) or len(saved["param_groups"]) != 1:
-        return saved  # already in this grouping (or a mismatch that load_state_dict reports)
-    old_index = {id(p): i for i, p in enumerate(model.parameters())}
-    (saved_group,) = saved["param_groups"]
-    hyperparameters = {k: v for k, v in saved_group.items() if k != "params"}
-    state, new_groups, index = {}, [], 0
-    for group in groups:
-        ids = []
-        for p in group["params"]:
-            if old_index[id(p)] in saved["state"]:
-                state[index] = saved["state"][old_index[id(p)]]
-            ids.append(index)
-            index += 1
-        own = {k: group[k] for k in ("name", "lr_scale") if k in group}
-        new_groups.append({**hyperparameters, **own, "params": ids})
-    return {"state": state, "param_groups": new_groups}
 
 
 @dataclass

@@ -77,14 +77,8 @@ class RunDirectory:
 
         The directory is created and marked when new; one that holds anything but a run is refused, as is one
         that another process is training in (see `scratchlm.run.lock`)."""
-        claim_output_dir(self.path, RUN_KIND, previous=self._is_unmarked_run)
+        claim_output_dir(self.path, RUN_KIND)
         return RunLock(self.path)
-
-    @staticmethod
-    def _is_unmarked_run(path: Path) -> bool:
-        """A run directory written before directories were marked: it has its config and its metrics log."""
-        run = RunDirectory(path)
-        return run.config.is_file() and run.metrics.is_file()
 
     def summary(self) -> RunSummary | None:
         """The summary the run wrote when it last stopped, or None when it has not stopped yet."""

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from scratchlm.errors import ScratchlmError
+from scratchlm.errors import ScratchlmError, os_fault
 
 LOCK_FILE = ".lock"
 
@@ -32,7 +32,10 @@ class RunLock:
         self.file: IO[str] | None = None
 
     def __enter__(self) -> RunLock:
-        file = open(self.path, "a+", encoding="utf-8")  # never truncated before the lock is ours
+        try:
+            file = open(self.path, "a+", encoding="utf-8")  # never truncated before the lock is ours
+        except OSError as e:  # a read-only or unwritable run directory: training could save nothing there
+            raise os_fault(self.path, e) or e from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,4 +1,4 @@
-"""`RUN/summary.json`: how a run ended, written when it stops (finished, out of time, or interrupted)."""
+"""`RUN/summary.json`: how a run ended, written when it stops (finished, out of time, interrupted or diverged)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class StopReason(enum.Enum):
     FINISHED = "finished"  # the schedule's last step was taken
     TIME_BUDGET = "time budget"  # training.max_time_s ran out
     INTERRUPTED = "interrupted"  # Ctrl-C or a termination signal: continue with --resume
+    DIVERGED = "diverged"  # the loss or gradient norm became non-finite (DivergedError)
 
 
 @dataclass(frozen=True)

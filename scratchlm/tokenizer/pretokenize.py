@@ -28,6 +28,20 @@ import regex
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 PRETOKEN_RE = regex.compile(GPT2_SPLIT_PATTERN)
 
+# Where GPT-2's pattern ends a pre-token whatever text comes next: the places where text may be cut without
+# changing its pre-tokens, so that encode(a + b) == encode(a) + encode(b). The match is the character just
+# before the cut; a pre-token of the pattern never contains both characters around the cut when
+#   - a letter is followed by a non-letter (letter runs, and contractions, end with their last letter),
+#   - a digit is followed by a non-digit (digit runs are the only pre-tokens holding digits),
+#   - a symbol other than the apostrophe is followed by a letter, digit or whitespace (symbol runs end there;
+#     an apostrophe before a letter may open a contraction such as `'s`).
+# Whitespace before the cut is never safe: `\s+(?!\S)` leaves a run's last space to the word after it.
+CUT_PATTERN = r"\p{L}(?=\P{L})|\p{N}(?=\P{N})|[^\s\p{L}\p{N}'](?=[\s\p{L}\p{N}])"
+# The first of those cuts on raw bytes, for BPE training, which splits files before decoding them: an ASCII
+# letter followed by an ASCII non-letter (a byte that may start or continue a multi-byte character is neither,
+# so no cut falls inside one). Every cut it finds is a cut of `CUT_PATTERN` (tested).
+ASCII_LETTER_CUT_PATTERN = rb"[A-Za-z](?=[\x00-\x40\x5b-\x60\x7b-\x7f])"
+
 
 def special_tokens_regex(special_tokens: Iterable[str]) -> regex.Pattern | None:
     """A pattern matching any special token, longest first, so that of two overlapping special tokens

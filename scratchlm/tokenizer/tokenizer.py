@@ -32,7 +32,13 @@ from pathlib import Path
 import regex
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.tokenizer.pretokenize import PRETOKEN_RE, special_tokens_regex, split_on_special_tokens
+from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer.pretokenize import (
+    CUT_PATTERN,
+    PRETOKEN_RE,
+    special_tokens_regex,
+    split_on_special_tokens,
+)
 from scratchlm.tokenizer.serialization import (
     load_merges,
     load_tokenizer_files,
@@ -47,16 +53,9 @@ CACHE_SIZE = 1 << 17
 # Characters `encode_iterable` gathers before it looks for a place to cut.
 STREAM_CHUNK_CHARS = 1 << 16
 
-# Where GPT-2's pattern ends a pre-token whatever text comes next. The match is the character just before the
-# cut; a pre-token of the pattern never contains both characters around the cut when
-#   - a letter is followed by a non-letter (letter runs, and contractions, end with their last letter),
-#   - a digit is followed by a non-digit (digit runs are the only pre-tokens holding digits),
-#   - a symbol other than the apostrophe is followed by a letter, digit or whitespace (symbol runs end there;
-#     an apostrophe before a letter may open a contraction such as `'s`).
-# Whitespace before the cut is never safe: `\s+(?!\S)` leaves a run's last space to the word after it.
-# The text before such a cut also pre-tokenizes the same when it ends there, so encode(a + b) ==
-# encode(a) + encode(b). `(?r)` searches backwards: the last cut in a window is found first.
-_CUT_RE = regex.compile(r"(?r)\p{L}(?=\P{L})|\p{N}(?=\P{N})|[^\s\p{L}\p{N}'](?=[\s\p{L}\p{N}])")
+# Where text may be cut (`pretokenize.CUT_PATTERN`); `(?r)` searches backwards: the last cut in a window is
+# found first.
+_CUT_RE = regex.compile(r"(?r)" + CUT_PATTERN)
 
 
 # GPT-2's pattern for ASCII text, for the standard `re` module, which runs it about twice as fast as `regex` runs
@@ -197,6 +196,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """One more than the largest id: the number of rows an embedding table needs."""
         return max(self.vocab) + 1
+
+    @property
+    def eos_id(self) -> int | None:
+        """The id of `END_OF_TEXT`, which ends a document (and, given as the prompt, starts one); None when
+        the tokenizer has no such special token. Generation, serving and export all ask this one question."""
+        return self._special_ids.get(END_OF_TEXT)
 
     def token_id(self, special_token: str) -> int:
         """The id of a special token, e.g. `token_id("<|endoftext|>")`."""

@@ -1,6 +1,6 @@
 """Byte-level BPE training: learn `vocab_size - 256 - len(special_tokens)` merges from a text file.
 
-The algorithm (that of the CS336 assignment-1 handout (Stanford, spring 2025), in the spirit of minbpe) has two phases.
+The algorithm (that of the CS336 assignment-1 handout, in the spirit of minbpe) has two phases.
 
 1. Pre-token counting. The file is cut into chunks, each read, decoded and counted by a worker process: the
    text is split on the special tokens (which are never counted or merged), then cut into pre-tokens by GPT-2's
@@ -48,15 +48,20 @@ from typing import Any, BinaryIO
 import regex
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.tokenizer.pretokenize import pretoken_counts, special_tokens_regex, whitespace
+from scratchlm.tokenizer.pretokenize import (
+    ASCII_LETTER_CUT_PATTERN,
+    pretoken_counts,
+    special_tokens_regex,
+    whitespace,
+)
 from scratchlm.workers import worker_pool
 
 # Bytes each worker reads and pre-tokenizes at a time: bounds a worker's memory apart from its counts.
 DEFAULT_CHUNK_SIZE = 1 << 20
 # How far past a chunk's nominal end to look for a special token before settling for a letter boundary.
 _CUT_SEARCH_WINDOW = 1 << 16
-# An ASCII letter followed by an ASCII non-letter: the regex ends a match between the two.
-_LETTER_CUT_RE = regex.compile(rb"[A-Za-z](?=[\x00-\x40\x5b-\x60\x7b-\x7f])")
+# Where a chunk of bytes may end (`pretokenize.ASCII_LETTER_CUT_PATTERN`).
+_LETTER_CUT_RE = regex.compile(ASCII_LETTER_CUT_PATTERN)
 
 Pair = tuple[int, int]
 

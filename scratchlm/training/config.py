@@ -26,6 +26,7 @@ import math
 import tomllib
 import types
 import typing
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -403,18 +404,43 @@ CHANGEABLE_ON_RESUME = (
 )
 
 
-def config_changes(recorded: dict[str, Any], current: TrainConfig) -> list[str]:
-    """`["optimizer.lr: 0.001 -> 0.0003", ...]`: the keys, other than `CHANGEABLE_ON_RESUME`, whose values in
-    `current` differ from the config a run recorded (a `to_dict()` or a parsed config.toml). A key the record
-    lacks (a config written before the key existed, or a None that TOML cannot hold) counts as its default."""
-    before = {**_flat(TrainConfig().to_dict()), **_flat(recorded)}
-    after = _flat(current.to_dict())
+def config_changes(
+    recorded: dict[str, Any],
+    current: TrainConfig | dict[str, Any],
+    sections: Container[str] | None = None,
+    changeable: Container[str] = CHANGEABLE_ON_RESUME,
+) -> list[str]:
+    """`["optimizer.lr: 0.001 -> 0.0003", ...]`: `config_differences` as one line each."""
     return [
-        f"{key}: {_shown(before.get(key))} -> {_shown(after.get(key))}"
+        f"{key}: {_shown(before)} -> {_shown(after)}"
+        for key, before, after in config_differences(recorded, current, sections, changeable)
+    ]
+
+
+def config_differences(
+    recorded: dict[str, Any],
+    current: TrainConfig | dict[str, Any],
+    sections: Container[str] | None = None,
+    changeable: Container[str] = CHANGEABLE_ON_RESUME,
+) -> list[tuple[str, Any, Any]]:
+    """`[("optimizer.lr", 0.001, 0.0003), ...]`: the keys, other than `changeable`, whose values in `current`
+    differ from the config a run recorded (a `to_dict()` or a parsed config.toml), with both values. A key the
+    record lacks (a config written before the key existed, or a None that TOML cannot hold) counts as its
+    default.
+
+    This is the one comparison of configs: a resumed run against its record (every section, less
+    `CHANGEABLE_ON_RESUME`), `training.init_from` against the model it starts from (`sections=("model",)`,
+    less the fields that only choose how it is computed), and the quickstart's run against its recipe.
+    `changeable` holds "section.key" names, or "section.*" for a whole section."""
+    before = {**_flat(TrainConfig().to_dict()), **_flat(recorded)}
+    after = _flat(current if isinstance(current, dict) else current.to_dict())
+    return [
+        (key, before.get(key), after.get(key))
         for key in [*after, *(key for key in before if key not in after)]
         if before.get(key) != after.get(key)
-        and key not in CHANGEABLE_ON_RESUME
-        and f"{key.partition('.')[0]}.*" not in CHANGEABLE_ON_RESUME
+        and (sections is None or key.partition(".")[0] in sections)
+        and key not in changeable
+        and f"{key.partition('.')[0]}.*" not in changeable
     ]
 
 

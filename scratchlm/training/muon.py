@@ -37,7 +37,7 @@ on its own and the copies stay identical (tested).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -47,7 +47,11 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.training.optim import Params, _check_positive, adamw_update, evaluate_closure
 
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-ALGORITHMS = ("muon", "adamw")
+# The update rule of a parameter group, its "algorithm" entry. Plain strings, not an enum: the tag is saved with
+# the optimizer's state, which checkpoints load with `weights_only=True` (plain values only).
+MUON, ADAMW = "muon", "adamw"
+Algorithm = Literal["muon", "adamw"]
+ALGORITHMS: tuple[Algorithm, ...] = (MUON, ADAMW)
 
 
 def newton_schulz(
@@ -96,7 +100,7 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        algorithm: str = "muon",
+        algorithm: Algorithm = MUON,
         ns_dtype: torch.dtype | None = None,
     ) -> None:
         _check_positive("lr", lr)
@@ -119,7 +123,7 @@ class Muon(torch.optim.Optimizer):
                 raise ScratchlmError(
                     f"parameter group algorithm must be one of {', '.join(ALGORITHMS)}, got {group['algorithm']!r}"
                 )
-            if group["algorithm"] == "muon" and any(p.dim() != 2 for p in group["params"]):
+            if group["algorithm"] == MUON and any(p.dim() != 2 for p in group["params"]):
                 name = group.get("name", "a Muon group")
                 raise ScratchlmError(
                     f"Muon orthogonalises matrices; {name} holds a parameter that is not 2-D"
@@ -129,7 +133,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = evaluate_closure(closure)
         for group in self.param_groups:
-            if group["algorithm"] == "adamw":
+            if group["algorithm"] == ADAMW:
                 adamw_update(group, self.state)
             else:
                 self._muon_update(group)

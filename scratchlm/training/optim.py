@@ -1,4 +1,4 @@
-"""Optimizers written from the update rules: the toy SGD of the CS336 assignment-1 handout (Stanford, spring 2025), and AdamW.
+"""Optimizers written from the update rules: the toy SGD of the CS336 assignment-1 handout, and AdamW.
 
 AdamW (Loshchilov & Hutter, 2019) keeps, per parameter, running averages of the gradient and of its square,
 
@@ -12,8 +12,8 @@ step instead of a few per parameter), which is what makes the optimizer step che
 forward and backward passes.
 
 `build_optimizer` is the one place where a training run's optimizer is made. It splits the model's parameters
-into named groups by their role (`parameter_groups`): the hidden weight matrices, the token embeddings, the
-output head and the gains (the 1-D RMSNorm weights). Every group is a `param_groups` entry with its `name`, an
+into named groups by their role (`parameter_groups`, which the model declares): the hidden weight matrices,
+the token embeddings, the output head and the gains (the 1-D RMSNorm weights). Every group is a `param_groups` entry with its `name`, an
 `lr_scale` (its learning rate is the schedule's rate times this) and its own hyperparameters, so an optimizer or
 a learning rate per group is a matter of configuration: `optimizer.name = "muon"` gives the hidden matrices
 to Muon (`scratchlm.training.muon`) and the rest to AdamW, and `embedding_lr` / `head_lr` give those groups
@@ -137,27 +137,49 @@ PARAMETER_GROUPS = ("matrices", "embeddings", "head", "gains")
 
 
 def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
-    """The model's trainable parameters by role, each parameter (a tied matrix too) in exactly one group:
+    """The model's trainable parameters by role (`PARAMETER_GROUPS`), each parameter (a tied matrix too) in
+    exactly one group. A model that knows its roles declares them (`TransformerLM.parameter_groups`: the
+    embeddings, the head, the gains and the blocks' matrices); any other module has "gains" (its 1-D
+    parameters) and "matrices" (the rest). Either way the groups are checked to hold every parameter of the
+    model exactly once, so a parameter a model forgets to declare is an error here rather than one left
+    untrained."""
+    declare = getattr(model, "parameter_groups", None)
+    if callable(declare):
+        declared = declare()
+    else:
+        params = list(model.parameters())
+        declared = {
+            "matrices": [p for p in params if p.dim() >= 2],
+            "gains": [p for p in params if p.dim() < 2],
+        }
+    unknown = sorted(set(declared) - set(PARAMETER_GROUPS))
+    if unknown:
+        raise ValueError(f"{type(model).__name__} declares unknown parameter groups {unknown}")
+    _check_cover(model, declared)
+    return {name: [p for p in declared.get(name, []) if p.requires_grad] for name in PARAMETER_GROUPS}
 
-    - "embeddings": the token embedding matrix (a row lookup; tied to the head, it is still this one) and the
-      value-embedding tables;
-    - "head": the output projection to the vocabulary (`lm_head`), when it is a matrix of its own;
-    - "gains": every 1-D parameter (the RMSNorm gains, and the U-net skip weights);
-    - "matrices": every other parameter, the hidden weight matrices of attention and the feed-forward networks.
-    """
-    groups: dict[str, list[torch.nn.Parameter]] = {name: [] for name in PARAMETER_GROUPS}
-    for name, param in model.named_parameters():  # a shared parameter is listed once, under its first name
-        if not param.requires_grad:
-            continue
-        if name.endswith("token_embeddings.weight") or name.startswith("value_embeddings."):
-            groups["embeddings"].append(param)
-        elif name.endswith("lm_head.weight"):
-            groups["head"].append(param)
-        elif param.dim() < 2:
-            groups["gains"].append(param)
-        else:
-            groups["matrices"].append(param)
-    return groups
+
+def _check_cover(model: torch.nn.Module, groups: dict[str, list[torch.nn.Parameter]]) -> None:
+    """Every parameter of `model` (a shared one once) in exactly one of `groups`: a bug in the model if not."""
+    seen: dict[int, str] = {}
+    for name, params in groups.items():
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of {type(model).__name__} is in groups {seen[id(p)]} and {name}"
+                )
+            seen[id(p)] = name
+    names = {id(p): name for name, p in model.named_parameters()}
+    missing = [name for key, name in names.items() if key not in seen]
+    foreign = len(set(seen) - set(names))
+    problems = (["missing " + ", ".join(missing)] if missing else []) + (
+        [f"{foreign} parameter(s) not of the model"] if foreign else []
+    )
+    if problems:
+        raise ValueError(
+            f"the parameter groups of {type(model).__name__} must hold each of its parameters once: "
+            + "; ".join(problems)
+        )
 
 
 def build_optimizer(
@@ -171,7 +193,7 @@ def build_optimizer(
     moves every group's rate in proportion. `name="muon"` makes a `Muon` optimizer (scratchlm.training.muon)
     whose "matrices" group runs Muon and whose other groups run AdamW; its Newton–Schulz iteration runs in
     bfloat16 when the training's resolved `precision` is "bf16" and `config.muon_bf16`, else in float32."""
-    from scratchlm.training.muon import Muon  # muon.py builds on this module
+    from scratchlm.training.muon import ADAMW, MUON, Muon  # muon.py builds on this module
 
     muon = config.name == "muon"
     rates = {
@@ -189,7 +211,7 @@ def build_optimizer(
         return SGD(groups, lr=config.lr)
     if muon:
         for group in groups:
-            group["algorithm"] = "muon" if group["name"] == "matrices" else "adamw"
+            group["algorithm"] = MUON if group["name"] == "matrices" else ADAMW
             if group["name"] == "matrices":
                 group["weight_decay"] = config.muon_weight_decay
         return Muon(

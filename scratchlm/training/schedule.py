@@ -1,4 +1,4 @@
-"""Learning-rate schedules with linear warm-up: the cosine (as in LLaMA and the CS336 assignment-1 handout (Stanford, spring 2025)) and the
+"""Learning-rate schedules with linear warm-up: the cosine (as in LLaMA and the CS336 assignment-1 handout) and the
 trapezoid warm-up / stable / decay (WSD).
 
 For step `t`, peak rate `α_max`, final rate `α_min`, warm-up length `T_w` and the step `T_c` where the cosine

@@ -26,6 +26,12 @@ wall-clock budget `max_time_s` (counted across resumes), which returns normally.
 sizes its schedule to the steps that fit, measured on the machine (`scratchlm.training.budget`), so that it
 ends with its decay complete inside the budget; the decision is saved with the checkpoints.
 Resuming a run that has no steps left changes nothing in it and returns the summary it wrote.
+
+A session is made of components, each built by a function of the config before the loop starts: the data
+(`load_training_data`, checked before the run directory is claimed), the model (`build_model`), the optimizer
+over the groups the model declares (`build_optimizer`), the starting point with its time budget (`restore`,
+or `start_from_weights` for `training.init_from`) and how the model runs (`build_execution`: compilation,
+DDP, precision). `build_session` puts them together; `_Run` holds them and runs the step and the loop.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +64,7 @@ from scratchlm.run.load import TOKENIZER_DIR, check_pair, find_checkpoint
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
-from scratchlm.training.config import TrainConfig, config_changes, read_toml
+from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
 from scratchlm.training.distributed import (
     Distributed,
     all_reduce,
@@ -129,8 +136,16 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
     finished = False
     run: _Run | None = None
     try:
+        # The batch and the data are checked before the run directory is claimed: a run refused for either
+        # leaves nothing behind.
+        if t.batch_size % (dist_info.world_size * t.grad_accum):
+            raise ScratchlmError(
+                f"training.batch_size ({t.batch_size}) must be divisible by processes × grad_accum "
+                f"({dist_info.world_size} × {t.grad_accum})"
+            )
+        data = load_training_data(config)
         with RunDirectory(config.logging.run_dir).lock() if dist_info.is_main else contextlib.nullcontext():
-            run = _Run(config, dist_info, device, choices, resume, allow_config_change)
+            run = build_session(config, data, dist_info, device, choices, resume, allow_config_change)
             summary = run.run()
         finished = True
         return summary
@@ -188,58 +203,257 @@ class _Interval:
         return tokens_per_s
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What a run reads: the training and validation tokens (memory-mapped, checked against the model's
+    vocabulary) and the tokenizer of `data.tokenizer`, if set, checked against the model and against the copy
+    in the run directory, which a resumed run must not change."""
+
+    train: np.ndarray
+    valid: np.ndarray
+    tokenizer: Tokenizer | None
+
+
+def load_training_data(config: TrainConfig) -> TrainingData:
+    m = config.model
+    train_tokens = load_tokens(config.data.train, m.vocab_size, m.context_length)
+    valid_tokens = load_tokens(config.data.valid, m.vocab_size, m.context_length)
+    return TrainingData(train_tokens, valid_tokens, _load_tokenizer(config))
+
+
+def _load_tokenizer(config: TrainConfig) -> Tokenizer | None:
+    if not config.data.tokenizer:
+        return None
+    tokenizer = Tokenizer.from_dir(config.data.tokenizer)
+    check_pair(config.model, tokenizer, None, f"data.tokenizer {config.data.tokenizer}", "[model]")
+    copy = RunDirectory(config.logging.run_dir).path / TOKENIZER_DIR
+    if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
+        raise ScratchlmError(
+            f"data.tokenizer {config.data.tokenizer} is not the tokenizer this run was trained with "
+            f"({copy}); use another logging.run_dir"
+        )
+    return tokenizer
+
+
+# -- the components of a session, each built by a function of the config ------------------------------------
+
+
+def build_model(config: TrainConfig, device: torch.device) -> TransformerLM:
+    """The model of `[model]`, its initial weights drawn from `training.seed`."""
+    torch.manual_seed(config.training.seed)
+    return TransformerLM.from_config(config.model, device=device)
+
+
+@dataclass
+class Progress:
+    """Where a session starts: the steps taken, the newest checkpoint on disk, the data-sampling generator,
+    the training time of earlier sessions and the time budget (with the length an earlier session decided)."""
+
+    step: int
+    last_saved: int | None
+    generator: np.random.Generator
+    elapsed_s: float
+    budget: TimeBudget
+
+
+def restore(
+    config: TrainConfig,
+    model: TransformerLM,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    dist: Distributed,
+    resume: bool,
+    allow_config_change: bool = False,
+) -> Progress:
+    """A new run's starting point, or, when resuming, the newest intact checkpoint's, loaded into `model` and
+    `optimizer` with the RNG states it saved (a run with checkpoints must be resumed, and with the config it
+    trained with, beyond `CHANGEABLE_ON_RESUME`, unless `allow_config_change`)."""
+    run_dir = RunDirectory(config.logging.run_dir)
+    fresh = Progress(0, None, np.random.default_rng(config.training.seed), 0.0, TimeBudget(config))
+    existing = run_dir.latest_checkpoint()
+    if existing is not None and not resume:
+        raise ScratchlmError(
+            f"run directory {run_dir} already has checkpoints; continue it with --resume, "
+            "or choose another logging.run_dir"
+        )
+    if existing is None:
+        if resume and dist.is_main:
+            console.print(f"no checkpoint in {run_dir}: starting a new run")
+        return fresh
+    existing, checkpoint, damaged = _newest_intact_checkpoint(run_dir, dist)
+    _check_config_changes(run_dir, config, checkpoint, allow_config_change, dist)
+    checkpoint.load_into(model, optimizer)
+    fresh.generator.bit_generator.state = checkpoint.data_rng
+    torch.set_rng_state(checkpoint.torch_rng)
+    if device.type == "cuda" and checkpoint.cuda_rng is not None:
+        torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
+    budget = fresh.budget
+    if checkpoint.time_budget is not None:  # the length this run decided: the same schedule continues
+        budget = TimeBudget(config, BudgetDecision.from_dict(checkpoint.time_budget))
+    if dist.is_main:
+        for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
+            console.print(f"set {bad} aside as {run_dir.set_aside(bad).name}", style="yellow")
+        if damaged:
+            console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
+        console.print(f"resuming from {existing} (step {checkpoint.step})")
+    return Progress(checkpoint.step, checkpoint.step, fresh.generator, checkpoint.elapsed_s, budget)
+
+
+def start_from_weights(
+    config: TrainConfig, model: TransformerLM, tokenizer: Tokenizer | None, dist: Distributed
+) -> None:
+    """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
+    continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
+    and its tokenizer, when both are known, the one of `data.tokenizer`."""
+    path, _ = find_checkpoint(config.training.init_from)
+    checkpoint = Checkpoint.read(path)
+    differing = [
+        f"{key} = {ours!r}, theirs {theirs!r}"
+        for key, theirs, ours in config_differences(
+            {"model": checkpoint.model_config.to_dict()},
+            {"model": config.model.to_dict()},
+            sections=("model",),
+            changeable={f"model.{name}" for name in COMPUTATION_FIELDS},
+        )
+    ]
+    if differing:
+        raise ScratchlmError(
+            f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
+        )
+    if tokenizer is not None:
+        try:
+            check_pair(config.model, tokenizer, checkpoint.tokenizer_fingerprint)
+        except ScratchlmError:
+            raise ScratchlmError(
+                f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
+                f"({config.data.tokenizer})"
+            ) from None
+    checkpoint.load_into(model)
+    if dist.is_main:
+        console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
+
+
+def _newest_intact_checkpoint(
+    run_dir: RunDirectory, dist: Distributed
+) -> tuple[Path, Checkpoint, list[Path]]:
+    """The newest checkpoint that reads back intact, read, and the newer ones that did not (a checksum that
+    does not match, a truncated file), each reported by name. Once the resume goes ahead, those are set aside
+    as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
+    damaged: list[Path] = []
+    for path in reversed(run_dir.checkpoints()):
+        try:
+            return path, Checkpoint.read(path), damaged
+        except ScratchlmError as e:
+            if dist.is_main:
+                console.print(f"{e}; trying the checkpoint before it", style="yellow")
+            damaged.append(path)
+    raise ScratchlmError(
+        f"no intact checkpoint in {run_dir.checkpoints_dir} ({len(damaged)} damaged, the newest "
+        f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
+    )
+
+
+def _check_config_changes(
+    run_dir: RunDirectory, config: TrainConfig, checkpoint: Checkpoint, allowed: bool, dist: Distributed
+) -> None:
+    """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
+    config.toml): a difference is refused unless `allowed`, and then named."""
+    recorded = checkpoint.train_config or None
+    if recorded is None and run_dir.config.is_file():
+        recorded = read_toml(run_dir.config)
+    changes = config_changes(recorded, config) if recorded is not None else []
+    if changes and not allowed:
+        raise ScratchlmError(
+            f"the config differs from the one run {run_dir} trained with ({'; '.join(changes)}); "
+            "pass --allow-config-change to continue with the new values, or choose another logging.run_dir"
+        )
+    if changes and dist.is_main:
+        console.print(f"resuming with a changed config: {'; '.join(changes)}", style="yellow")
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the model runs: compiled (the compiled module serves evaluation) and, under several processes,
+    wrapped by DistributedDataParallel for training; in the resolved precision; with the fused head and loss
+    where memory is short."""
+
+    forward_model: torch.nn.Module
+    train_model: torch.nn.Module
+    autocast: contextlib.AbstractContextManager
+    fused_loss: bool
+
+
+def build_execution(
+    config: TrainConfig, model: TransformerLM, choices: Plan, device: torch.device, dist: Distributed
+) -> Execution:
+    t = config.training
+    # The fused head and loss saves the logits' memory for one more head matmul: worth it where memory is
+    # short (a GPU); on a CPU the unfused path is the faster.
+    fused_loss = t.fused_loss == "on" or (t.fused_loss == "auto" and device.type == "cuda")
+    forward_model = torch.compile(model) if choices.compile.value else model
+    train_model = wrap_ddp(forward_model, device) if dist.enabled else forward_model
+    return Execution(forward_model, train_model, autocast(device, choices.precision.value), fused_loss)
+
+
+def build_session(
+    config: TrainConfig,
+    data: TrainingData,
+    dist: Distributed,
+    device: torch.device,
+    choices: Plan,
+    resume: bool,
+    allow_config_change: bool = False,
+) -> _Run:
+    """The components of one session, each from its function, in the order that keeps runs reproducible:
+    the model's weights are drawn, then the optimizer made, then a checkpoint (or `init_from`) loaded."""
+    model = build_model(config, device)
+    optimizer = build_optimizer(config.optimizer, model, precision=choices.precision.value)
+    progress = restore(config, model, optimizer, device, dist, resume, allow_config_change)
+    if config.training.init_from and progress.last_saved is None:  # a resumed run continues its own weights
+        start_from_weights(config, model, data.tokenizer, dist)
+    execution = build_execution(config, model, choices, device, dist)
+    return _Run(config, data, dist, device, choices, model, optimizer, progress, execution)
+
+
 class _Run:
-    """One session of a run: built from the config (and the latest checkpoint when resuming), then `run()`."""
+    """One session of a run: its components (built by `build_session`), then `run()`, the loop."""
 
     def __init__(
         self,
         config: TrainConfig,
+        data: TrainingData,
         dist_info: Distributed,
         device: torch.device,
         choices: Plan,
-        resume: bool,
-        allow_config_change: bool = False,
+        model: TransformerLM,
+        optimizer: torch.optim.Optimizer,
+        progress: Progress,
+        execution: Execution,
     ) -> None:
         self.config, self.dist, self.device, self.choices = config, dist_info, device, choices
         self.precision = choices.precision.value  # "auto" resolved
-        t, m = config.training, config.model
+        t = config.training
         self.run_dir = RunDirectory(config.logging.run_dir)
-        self.context = m.context_length
-        sequences_per_process = t.batch_size // dist_info.world_size
-        if t.batch_size % (dist_info.world_size * t.grad_accum):
-            raise ScratchlmError(
-                f"training.batch_size ({t.batch_size}) must be divisible by processes × grad_accum "
-                f"({dist_info.world_size} × {t.grad_accum})"
-            )
-        self.micro_batch = sequences_per_process // t.grad_accum
+        self.context = config.model.context_length
+        self.micro_batch = t.batch_size // dist_info.world_size // t.grad_accum
         self.eval_batch = config.eval.batch_size or t.batch_size
         self.tokens_per_step = t.batch_size * self.context
-
-        self.train_tokens = load_tokens(config.data.train, m.vocab_size, self.context)
-        self.valid_tokens = load_tokens(config.data.valid, m.vocab_size, self.context)
-        self.tokenizer = self._load_tokenizer()
-
-        torch.manual_seed(t.seed)
-        self.model = TransformerLM.from_config(m, device=device)
-        self.optimizer = build_optimizer(config.optimizer, self.model, precision=self.precision)
-        self.generator = np.random.default_rng(t.seed)
-        self.step, self.elapsed_before = 0, 0.0
-        self.last_saved: int | None = None  # the step of the newest checkpoint on disk
-        self.budget = TimeBudget(config)
-        self._restore(resume, allow_config_change)
-        if t.init_from and self.last_saved is None:  # a new run: a resumed one continues its own weights
-            self._init_from(t.init_from)
+        self.train_tokens, self.valid_tokens, self.tokenizer = data.train, data.valid, data.tokenizer
+        self.model, self.optimizer = model, optimizer
+        self.step, self.last_saved = (
+            progress.step,
+            progress.last_saved,
+        )  # last_saved: the newest checkpoint's step
+        self.generator, self.elapsed_before, self.budget = (
+            progress.generator,
+            progress.elapsed_s,
+            progress.budget,
+        )
         self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
         self.in_update = False
-
-        # The fused head and loss saves the logits' memory for one more head matmul: worth it where memory is
-        # short (a GPU); on a CPU the unfused path is the faster.
-        self.fused_loss = t.fused_loss == "on" or (t.fused_loss == "auto" and device.type == "cuda")
-        # The compiled module (if any) serves evaluation; DistributedDataParallel wraps it for training.
-        self.forward_model = torch.compile(self.model) if choices.compile.value else self.model
-        self.train_model = wrap_ddp(self.forward_model, device) if dist_info.enabled else self.forward_model
-        self.autocast = autocast(device, self.precision)
-        self.flops_per_token = m.flops_per_token
+        self.forward_model, self.train_model = execution.forward_model, execution.train_model
+        self.autocast, self.fused_loss = execution.autocast, execution.fused_loss
+        self.flops_per_token = config.model.flops_per_token
         self.peak = peak_flops(device, self.precision, config.logging.peak_tflops)
 
         # What this session has seen so far; `run` starts the clock.
@@ -251,112 +465,6 @@ class _Run:
         self.final_val_loss: float | None = None
         self.last_eval: int | None = None
         self.logger: MetricsLogger | None = None
-
-    def _load_tokenizer(self) -> Tokenizer | None:
-        """The tokenizer of `data.tokenizer` (if set), checked against the model's vocabulary and against the
-        run directory's copy of it, which a resumed run must not change."""
-        if not self.config.data.tokenizer:
-            return None
-        tokenizer = Tokenizer.from_dir(self.config.data.tokenizer)
-        check_pair(
-            self.config.model, tokenizer, None, f"data.tokenizer {self.config.data.tokenizer}", "[model]"
-        )
-        copy = self.run_dir.path / TOKENIZER_DIR
-        if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
-            raise ScratchlmError(
-                f"data.tokenizer {self.config.data.tokenizer} is not the tokenizer this run was trained with "
-                f"({copy}); use another logging.run_dir"
-            )
-        return tokenizer
-
-    def _restore(self, resume: bool, allow_config_change: bool) -> None:
-        existing = self.run_dir.latest_checkpoint()
-        if existing is not None and not resume:
-            raise ScratchlmError(
-                f"run directory {self.run_dir} already has checkpoints; continue it with --resume, "
-                "or choose another logging.run_dir"
-            )
-        if existing is None:
-            if resume and self.dist.is_main:
-                console.print(f"no checkpoint in {self.run_dir}: starting a new run")
-            return
-        existing, checkpoint, damaged = self._newest_intact_checkpoint()
-        self._check_config_changes(checkpoint, allow_config_change)
-        checkpoint.load_into(self.model, self.optimizer)
-        self.step = self.last_saved = checkpoint.step
-        self.generator.bit_generator.state = checkpoint.data_rng
-        torch.set_rng_state(checkpoint.torch_rng)
-        if self.device.type == "cuda" and checkpoint.cuda_rng is not None:
-            torch.cuda.set_rng_state(checkpoint.cuda_rng, self.device)
-        self.elapsed_before = checkpoint.elapsed_s
-        if checkpoint.time_budget is not None:  # the length this run decided: the same schedule continues
-            self.budget = TimeBudget(self.config, BudgetDecision.from_dict(checkpoint.time_budget))
-        if self.dist.is_main:
-            for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
-                console.print(f"set {bad} aside as {self.run_dir.set_aside(bad).name}", style="yellow")
-            if damaged:
-                console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
-            console.print(f"resuming from {existing} (step {self.step})")
-
-    def _init_from(self, source: str) -> None:
-        """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
-        continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
-        and its tokenizer, when both are known, the one of `data.tokenizer`."""
-        path, _ = find_checkpoint(source)
-        checkpoint = Checkpoint.read(path)
-        theirs, ours = checkpoint.model_config, self.config.model
-        differing = [
-            f"model.{name} = {getattr(ours, name)!r}, theirs {getattr(theirs, name)!r}"
-            for name in ours.to_dict() | theirs.to_dict()
-            if getattr(ours, name) != getattr(theirs, name) and name not in COMPUTATION_FIELDS
-        ]
-        if differing:
-            raise ScratchlmError(
-                f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
-            )
-        if self.tokenizer is not None:
-            try:
-                check_pair(ours, self.tokenizer, checkpoint.tokenizer_fingerprint)
-            except ScratchlmError:
-                raise ScratchlmError(
-                    f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
-                    f"({self.config.data.tokenizer})"
-                ) from None
-        checkpoint.load_into(self.model)
-        if self.dist.is_main:
-            console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
-
-    def _newest_intact_checkpoint(self) -> tuple[Path, Checkpoint, list[Path]]:
-        """The newest checkpoint that reads back intact, read, and the newer ones that did not (a checksum
-        that does not match, a truncated file), each reported by name. Once the resume goes ahead, those are
-        set aside as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
-        damaged: list[Path] = []
-        for path in reversed(self.run_dir.checkpoints()):
-            try:
-                return path, Checkpoint.read(path), damaged
-            except ScratchlmError as e:
-                if self.dist.is_main:
-                    console.print(f"{e}; trying the checkpoint before it", style="yellow")
-                damaged.append(path)
-        raise ScratchlmError(
-            f"no intact checkpoint in {self.run_dir.checkpoints_dir} ({len(damaged)} damaged, the newest "
-            f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
-        )
-
-    def _check_config_changes(self, checkpoint: Checkpoint, allowed: bool) -> None:
-        """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
-        config.toml): a difference is refused unless `allowed`, and then named."""
-        recorded = checkpoint.train_config or None
-        if recorded is None and self.run_dir.config.is_file():
-            recorded = read_toml(self.run_dir.config)
-        changes = config_changes(recorded, self.config) if recorded is not None else []
-        if changes and not allowed:
-            raise ScratchlmError(
-                f"the config differs from the one run {self.run_dir} trained with ({'; '.join(changes)}); "
-                "pass --allow-config-change to continue with the new values, or choose another logging.run_dir"
-            )
-        if changes and self.dist.is_main:
-            console.print(f"resuming with a changed config: {'; '.join(changes)}", style="yellow")
 
     # -- the pieces of a step -------------------------------------------------------------------------------
 
@@ -473,6 +581,11 @@ class _Run:
                 self._save_after_abort()
                 raise
             self._end_session()
+        except DivergedError:
+            # The summary says so: a resumed run must not keep the "finished" of an earlier session.
+            self.stopped = StopReason.DIVERGED
+            self._finish()
+            raise
         finally:
             if self.logger is not None:
                 self.logger.close()
@@ -639,7 +752,8 @@ class _Run:
             self._save()
 
     def _finish(self) -> RunSummary:
-        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal."""
+        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal (a
+        diverged one is ended by its `DivergedError`, which the caller re-raises)."""
         session_time = clock() - self.session_start
         summary = self._summary(
             wall_time_s=self._elapsed(),
@@ -647,6 +761,7 @@ class _Run:
         )
         if self.dist.is_main:
             summary.write(self.run_dir.summary_file)
+        if self.dist.is_main and self.stopped is not StopReason.DIVERGED:  # the error itself tells that story
             console.print(
                 f"{self.stopped.value} at step {self.step} after {format_seconds(summary.wall_time_s)}: train loss "
                 f"{_fmt(self.final_train_loss)}, val loss {_fmt(self.final_val_loss)}; "

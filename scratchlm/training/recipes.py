@@ -1,0 +1,60 @@
+"""Training recipes: named sets of choices that a config applies on top of a model's shape.
+
+A recipe is `{section: {key: value}}`, the same shape as a `TrainConfig` dict, holding only the choices that
+make up the recipe: the optimizer and its rates, the model's components, the kind of schedule. The model's
+size, the batch and the warm-up length belong to the shape that a recipe is applied to, and each user of the
+recipe states them itself. `FAST` is defined here once; the quickstart, the benchmarks and the shipped configs
+(`configs/tinystories-fast.toml`, `configs/owt-leaderboard.toml`, checked by a test) all take it from here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+Recipe = dict[str, dict[str, Any]]
+
+#: The specification's recipe (the CS336 assignment-1 handout): AdamW and a cosine schedule, the config's
+#: defaults, so it changes nothing.
+HANDOUT: Recipe = {}
+
+#: The recipe of docs/experiments.md ("A faster recipe"): Muon for the hidden matrices and AdamW with rates of
+#: their own for the gains (`lr`), the embeddings and the head; QK-norm, ReLU², zero-initialised output
+#: projections and logit soft-capping; a warm-up / stable / linear-decay schedule that decays over the second
+#: half of the run. Value embeddings are part of the recipe too, but how many tables a model has depends on its
+#: depth, so `model.value_embeddings` is the shape's to set (as are the warm-up's length and the batch).
+FAST: Recipe = {
+    "model": {"qk_norm": True, "ffn": "relu2", "zero_init": True, "logit_softcap": 15.0},
+    "optimizer": {
+        "name": "muon",
+        "lr": 0.01,
+        "min_lr": 0.0,
+        "muon_lr": 0.03,
+        "embedding_lr": 0.5,
+        "head_lr": 0.008,
+        "betas": [0.8, 0.95],
+        "weight_decay": 0.0,
+    },
+    "schedule": {"kind": "wsd", "decay_fraction": 0.5},
+}
+
+RECIPES: dict[str, Recipe] = {"spec": HANDOUT, "fast": FAST}
+
+
+def merged(base: Recipe, changes: Recipe) -> Recipe:
+    """`base` with the keys of `changes` set, section by section (a copy: neither argument is changed)."""
+    result = copy.deepcopy(base)
+    for section, values in changes.items():
+        result[section] = result.get(section, {}) | copy.deepcopy(values)
+    return result
+
+
+def differences(recipe: Recipe, config: dict[str, dict[str, Any]]) -> list[str]:
+    """`["section.key: recipe V, config W", ...]`: the keys `recipe` sets that the config dict (a
+    `TrainConfig.to_dict()` or a parsed TOML file) sets otherwise or leaves out."""
+    return [
+        f"{section}.{key}: recipe {value!r}, config {config.get(section, {}).get(key, '(unset)')!r}"
+        for section, values in recipe.items()
+        for key, value in values.items()
+        if config.get(section, {}).get(key) != value
+    ]
