@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from scratchlm.training.loss import cross_entropy, fused_linear_cross_entropy
+from scratchlm.model.loss import cross_entropy, fused_linear_cross_entropy
 
 
 def run_variant(

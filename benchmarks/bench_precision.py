@@ -26,10 +26,10 @@ import torch
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.data.prepare import PreparedData
 from scratchlm.device import apply_threads, autocast, plan, resolve_device
+from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.quickstart import FULL, RECIPES, train_config
 from scratchlm.training.grad import clip_grad_norm
-from scratchlm.training.loss import cross_entropy
 from scratchlm.training.optim import build_optimizer
 
 

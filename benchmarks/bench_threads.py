@@ -25,10 +25,10 @@ from scratchlm.allocator import keep_freed_memory
 from scratchlm.data.prepare import PreparedData
 from scratchlm.device import autocast, device_profile, resolve_precision, usable_cores
 from scratchlm.device.choices import choose_threads
+from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.quickstart import FULL, train_config
 from scratchlm.training.grad import clip_grad_norm
-from scratchlm.training.loss import cross_entropy
 from scratchlm.training.optim import build_optimizer
 
 

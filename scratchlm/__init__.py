@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "TransformerLM": "scratchlm.model.transformer",
     "KVCache": "scratchlm.model.kv_cache",
     # training
-    "cross_entropy": "scratchlm.training.loss",
+    "cross_entropy": "scratchlm.model.loss",
     "SGD": "scratchlm.training.optim",
     "AdamW": "scratchlm.training.optim",
     "cosine_lr_schedule": "scratchlm.training.schedule",

@@ -25,8 +25,8 @@ from einops import rearrange
 from scratchlm.console import progress
 from scratchlm.device import autocast
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.training.loss import cross_entropy
 
 
 @dataclass(frozen=True)

@@ -162,3 +162,29 @@ def test_train_with_a_two_minute_budget_on_the_real_clock(tmp_path):
     last = records(run, "lr")[-1]
     assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(3e-4)
     assert torch.isfinite(torch.tensor(summary["final_val_loss"]))
+
+
+def test_a_run_that_slows_down_is_shortened_and_still_ends_its_decay_inside_the_budget(tmp_path, monkeypatch):
+    """0.5 s a step while measured, 0.6 s after: at step 40 the run would overrun (22 s + 72 × 0.6 s > 60 s),
+    so it is shortened to 40 + int(0.92 × 38 s / 0.6 s) = 98 steps, which end at 56.8 s at the minimum rate.
+    The steps before the revision had the peak rate under either length."""
+    clock = FakeClock(0.5)
+    clock.install(monkeypatch)
+    measured_step = trainer.clip_grad_norm
+
+    def slower_after_the_decision(*args, **kwargs):
+        if clock.steps >= CALIBRATION_STEPS:
+            clock.now += 0.1
+        return measured_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "clip_grad_norm", slower_after_the_decision)
+    summary = train(budget_config(tmp_path, "run"))
+    assert summary.stopped is StopReason.FINISHED and summary.steps == 98
+    assert summary.wall_time_s == pytest.approx(56.8) and summary.wall_time_s <= BUDGET
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "run", "lr")}
+    assert lrs[98] == pytest.approx(MIN_LR)
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(wsd_lr_schedule(step, LR, MIN_LR, CALIBRATION_STEPS, 98, 0.5))
+    first, revised = (r["time_budget"] for r in records(tmp_path / "run", "time_budget"))
+    assert (first["total_steps"], revised["step"], revised["total_steps"]) == (112, 40, 98)
+    assert revised["step_s"] == pytest.approx(0.6)

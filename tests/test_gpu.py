@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scratchlm import ModelConfig, TransformerLM
-from scratchlm.training.loss import cross_entropy
+from scratchlm.model.loss import cross_entropy
 from scratchlm.training.optim import AdamW
 
 pytestmark = [

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from scratchlm import cross_entropy
 from scratchlm.errors import ScratchlmError
-from scratchlm.training.loss import fused_linear_cross_entropy
+from scratchlm.model.loss import fused_linear_cross_entropy
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

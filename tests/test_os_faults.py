@@ -16,11 +16,11 @@ from test_trainer import small_config
 
 from scratchlm.cli import main
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.loss import cross_entropy
 from scratchlm.run import RunDirectory, StopReason
 from scratchlm.run import lock as lock_module
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training import trainer
-from scratchlm.training.loss import cross_entropy
 from scratchlm.training.trainer import train
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files through /proc")

@@ -47,7 +47,7 @@ from scratchlm.model.layers import (
     _at_least_float32,
     feed_forward,
 )
-from scratchlm.training.loss import fused_linear_cross_entropy
+from scratchlm.model.loss import fused_linear_cross_entropy
 
 
 class TransformerBlock(FromConfig, nn.Module):
@@ -200,7 +200,7 @@ class TransformerLM(FromConfig, nn.Module):
     ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
         """The logits; with `targets`, instead, the mean cross-entropy loss of predicting them, computed with
         the LM head over chunks of tokens so that the logits never exist whole
-        (`scratchlm.training.loss.fused_linear_cross_entropy`; equal to `cross_entropy(model(ids), targets)`)."""
+        (`scratchlm.model.loss.fused_linear_cross_entropy`; equal to `cross_entropy(model(ids), targets)`)."""
         seq = token_ids.shape[-1]
         if seq > self.config.context_length:
             raise ScratchlmError(

@@ -17,14 +17,18 @@ one). Before the decision is known only the warm-up is certain to be the same wh
 fast recipe warms up over at least `CALIBRATION_STEPS` steps; a shorter warm-up is allowed, and its measured
 steps then run at the planned schedule's rates.
 
-The decision (`BudgetDecision`) is recorded in every checkpoint saved after it and in the metrics log, so a
-resumed run continues the same schedule bit for bit, whatever the speed of the machine it resumes on. The
-budget also stays a hard limit: the run stops when it is spent, whatever the schedule says.
+While the schedule is still at its peak rate (a WSD's stable phase), the decision is revised when the steps
+since it, evaluations and checkpoints included, show that the run would overrun (`TimeBudget.revise`): the
+run is shortened so that its decay still ends inside the budget. The decision (`BudgetDecision`, the latest
+one) is recorded in every checkpoint saved after it and in the metrics log, so a resumed run continues the
+same schedule bit for bit, whatever the speed of the machine it resumes on. The budget also stays a hard
+limit: the run stops when it is spent, whatever the schedule says.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +129,36 @@ class TimeBudget:
         total = fit_steps(step, elapsed_s, self.seconds, step_s)
         if self.planned:
             total = min(total, self.planned)
+        self.decision = BudgetDecision(step, step_s, elapsed_s, total)
+        self.schedule = self._schedule()
+        return self.decision
+
+    def settle(self, total_steps: int) -> BudgetDecision:
+        """The decision with the length several processes agreed on (each measured its own clock)."""
+        assert self.decision is not None
+        self.decision = dataclasses.replace(self.decision, total_steps=total_steps)
+        self.schedule = self._schedule()
+        return self.decision
+
+    def revise(self, step: int, elapsed_s: float) -> BudgetDecision | None:
+        """After the decision, shorten the run when the steps since it, evaluations and checkpoints included,
+        show that it would overrun the budget (a machine that got busier, evaluations that cost more than the
+        margin). Only while the schedule is still at its peak rate, so that the steps taken had the same rate
+        under either length (a WSD's stable phase; a cosine decays from its warm-up on, and keeps its length),
+        and never so short that the decay would have to start before this step."""
+        decision = self.decision
+        if decision is None or self.seconds <= 0 or step - decision.step < CALIBRATION_STEPS:
+            return None
+        if self.schedule(step + 1) < self.lr:
+            return None
+        step_s = (elapsed_s - decision.elapsed_s) / (step - decision.step)
+        if elapsed_s + (decision.total_steps - step) * step_s <= self.seconds:
+            return None
+        fraction = self.schedule_config.decay_fraction if self.schedule_config.kind == "wsd" else 1.0
+        earliest = math.ceil(step / (1 - fraction)) if fraction < 1 else step + 1
+        total = max(fit_steps(step, elapsed_s, self.seconds, step_s), earliest)
+        if total >= decision.total_steps:
+            return None
         self.decision = BudgetDecision(step, step_s, elapsed_s, total)
         self.schedule = self._schedule()
         return self.decision

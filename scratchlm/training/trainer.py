@@ -57,6 +57,7 @@ from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.model.config import COMPUTATION_FIELDS
+from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
@@ -73,7 +74,6 @@ from scratchlm.training.distributed import (
     wrap_ddp,
 )
 from scratchlm.training.grad import clip_grad_norm
-from scratchlm.training.loss import cross_entropy
 from scratchlm.training.metrics import MetricsLogger, peak_flops
 from scratchlm.training.optim import build_optimizer
 
@@ -663,17 +663,26 @@ class _Run:
     def _observe_budget(self) -> None:
         """Let the time budget measure this step and, at its decision step, size the schedule; the decision
         goes into the metrics log here and into every checkpoint from now on."""
-        if not self.budget.deciding:
-            return
-        if self.budget.wants_clock(self.step, self.start_step) and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # time the work done, not the work queued
-        decision = self.budget.observe(
-            self.step, self.start_step, self._elapsed(), self.interval.paused_in_session
-        )
+        if self.budget.deciding:
+            if self.budget.wants_clock(self.step, self.start_step) and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # time the work done, not the work queued
+            decision = self.budget.observe(
+                self.step, self.start_step, self._elapsed(), self.interval.paused_in_session
+            )
+            if decision is not None and self.dist.enabled:
+                # Each process timed its own clock; all must stop at the same step: the shortest length.
+                negated = torch.tensor(-float(decision.total_steps), device=self.device)
+                decision = self.budget.settle(-int(all_reduce(negated, "max").item()))
+            revised = False
+        else:
+            # Revising would need the processes to agree at every step: single-process runs only.
+            decision = None if self.dist.enabled else self.budget.revise(self.step, self._elapsed())
+            revised = True
         if decision is None or not self.dist.is_main:
             return
         console.print(
-            f"{decision.step_s:.3f} s a step: {decision.total_steps:,} steps fit in the time budget of "
+            f"{decision.step_s:.3f} s a step{' since the last decision' if revised else ''}: "
+            f"{decision.total_steps:,} steps fit in the time budget of "
             f"{format_seconds(self.config.training.max_time_s)}; the schedule ends at step {decision.total_steps:,}"
         )
         if self.logger is not None:
