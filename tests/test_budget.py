@@ -165,9 +165,10 @@ def test_train_with_a_two_minute_budget_on_the_real_clock(tmp_path):
 
 
 def test_a_run_that_slows_down_is_shortened_and_still_ends_its_decay_inside_the_budget(tmp_path, monkeypatch):
-    """0.5 s a step while measured, 0.6 s after: at step 40 the run would overrun (22 s + 72 × 0.6 s > 60 s),
-    so it is shortened to 40 + int(0.92 × 38 s / 0.6 s) = 98 steps, which end at 56.8 s at the minimum rate.
-    The steps before the revision had the peak rate under either length."""
+    """0.5 s a step while measured, 0.6 s after. Revisions look at a fifth of the run at least (22 of its 112
+    steps): at step 42 it would overrun (23.2 s + 70 × 0.6 s > 60 s), so it is shortened to
+    42 + int(0.92 × 36.8 s / 0.6 s) = 98 steps, which end at 56.8 s at the minimum rate. The steps before the
+    revision had the peak rate under either length."""
     clock = FakeClock(0.5)
     clock.install(monkeypatch)
     measured_step = trainer.clip_grad_norm
@@ -186,5 +187,5 @@ def test_a_run_that_slows_down_is_shortened_and_still_ends_its_decay_inside_the_
     for step, lr in lrs.items():
         assert lr == pytest.approx(wsd_lr_schedule(step, LR, MIN_LR, CALIBRATION_STEPS, 98, 0.5))
     first, revised = (r["time_budget"] for r in records(tmp_path / "run", "time_budget"))
-    assert (first["total_steps"], revised["step"], revised["total_steps"]) == (112, 40, 98)
+    assert (first["total_steps"], revised["step"], revised["total_steps"]) == (112, 42, 98)
     assert revised["step_s"] == pytest.approx(0.6)

@@ -147,7 +147,10 @@ class TimeBudget:
         under either length (a WSD's stable phase; a cosine decays from its warm-up on, and keeps its length),
         and never so short that the decay would have to start before this step."""
         decision = self.decision
-        if decision is None or self.seconds <= 0 or step - decision.step < CALIBRATION_STEPS:
+        # Over a fifth of the run at least, so that a one-off cost (the first evaluation compiles its graph)
+        # is spread as it will be, not read as the rate of every step to come.
+        window = max(CALIBRATION_STEPS, decision.total_steps // 5) if decision is not None else 0
+        if decision is None or self.seconds <= 0 or step - decision.step < window:
             return None
         if self.schedule(step + 1) < self.lr:
             return None
