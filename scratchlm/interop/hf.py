@@ -55,12 +55,12 @@ from scratchlm.interop import (
 )
 from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
 from scratchlm.interop.verify import DTYPES, as_stored, check_logits, optional_transformers, quiet
-from scratchlm.io import atomic_directory, atomic_write, check_output_dir, to_toml
+from scratchlm.io import atomic_directory, check_output_dir, to_toml
 from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RUN_KIND, RunDirectory
-from scratchlm.run.load import TOKENIZER_DIR, TrainedModel, check_pair
+from scratchlm.run.load import TrainedModel, check_pair
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -347,20 +347,13 @@ def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         "training": {"init_from": str(final)},
     }
     if tokenizer is not None:
-        settings = {"data": {"tokenizer": str(final / TOKENIZER_DIR)}, **settings}
+        settings = {"data": {"tokenizer": str(RunDirectory(final).tokenizer_dir)}, **settings}
+    header = (
+        f"# Imported from {Path(source).resolve()} by `scratchlm import-hf`. To fine-tune, add the\n"
+        "# data and a budget: --set data.train=... --set data.valid=... --set training.max_steps=...\n"
+    )
     with atomic_directory(out, RUN_KIND) as tmp:
-        run = RunDirectory(tmp)
-        checkpoint.save(run.checkpoint(0))
-        if tokenizer is not None:
-            tokenizer.save(tmp / TOKENIZER_DIR)
-        with atomic_write(run.config, "w") as f:
-            f.write(
-                f"# Imported from {Path(source).resolve()} by `scratchlm import-hf`. To fine-tune, add the\n"
-            )
-            f.write(
-                "# data and a budget: --set data.train=... --set data.valid=... --set training.max_steps=...\n"
-            )
-            f.write(to_toml(settings))
+        RunDirectory(tmp).create(header + to_toml(settings), tokenizer, checkpoint)
     return out
 
 

@@ -1,4 +1,5 @@
-"""`RunDirectory`: the paths of a run directory and the checkpoints in it."""
+"""`RunDirectory`: the paths of a run directory, the checkpoints in it, and the one way a run is laid out
+(`create`), whether training starts it or `import-hf` makes it from imported weights."""
 
 from __future__ import annotations
 
@@ -6,13 +7,19 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from scratchlm.io import claim_output_dir
+from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run.lock import RunLock
 from scratchlm.run.metrics import METRICS_FILE
 from scratchlm.run.summary import RunSummary
 
+if TYPE_CHECKING:
+    from scratchlm.run.checkpoint import Checkpoint
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
 CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+TOKENIZER_DIR = "tokenizer"  # the run directory's copy of its tokenizer
 RUN_KIND = "run"  # the output marker of a run directory (scratchlm.io)
 
 
@@ -56,6 +63,11 @@ class RunDirectory:
         ]
         return [p for _, p in sorted(found)]
 
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The run's own copy of the tokenizer it trains with (see `create`)."""
+        return self.path / TOKENIZER_DIR
+
     def latest_checkpoint(self) -> Path | None:
         """The most recent checkpoint, or None when the run has none."""
         found = self.checkpoints()
@@ -71,6 +83,21 @@ class RunDirectory:
         """Delete all but the `keep` most recent checkpoints."""
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
             old.unlink(missing_ok=True)
+
+    def create(
+        self, config_toml: str, tokenizer: Tokenizer | None = None, checkpoint: Checkpoint | None = None
+    ) -> None:
+        """Lay the run out: its `config.toml`; its own copy of its tokenizer, so that the run alone is enough
+        to generate (a copy already there is kept: a resumed run never changes it); and, for a run made from
+        imported weights, its first checkpoint (with no optimizer state: there is none to import). Each file
+        is written atomically."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with atomic_write(self.config, "w") as f:
+            f.write(config_toml)
+        if tokenizer is not None and not self.tokenizer_dir.is_dir():
+            tokenizer.save(self.tokenizer_dir)
+        if checkpoint is not None:
+            checkpoint.save(self.checkpoint(checkpoint.step))
 
     def lock(self) -> RunLock:
         """Claim the directory for a training process and lock it (`with run.lock(): ...`).

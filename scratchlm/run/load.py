@@ -25,8 +25,6 @@ from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
-TOKENIZER_DIR = "tokenizer"  # the run directory's copy of its tokenizer
-
 
 @dataclass
 class TrainedModel:
@@ -68,7 +66,7 @@ def load_trained(
     else:
         candidates = [tokenizer] if tokenizer is not None else []
         if tokenizer is None and run is not None:
-            candidates.append(run.path / TOKENIZER_DIR)
+            candidates.append(run.tokenizer_dir)
         if tokenizer is None:
             candidates.append(trained.train_config.get("data", {}).get("tokenizer"))
         found = next((Path(c) for c in candidates if c and Path(c).is_dir()), None)

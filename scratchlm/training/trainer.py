@@ -55,13 +55,12 @@ from scratchlm.data.tokens import gather_batch, load_tokens, sample_starts
 from scratchlm.device import Plan, apply_threads, autocast, plan, resolve_device
 from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
-from scratchlm.io import atomic_write
 from scratchlm.model.config import COMPUTATION_FIELDS
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import TOKENIZER_DIR, check_pair, find_checkpoint
+from scratchlm.run.load import check_pair, find_checkpoint
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
@@ -226,7 +225,7 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer | None:
         return None
     tokenizer = Tokenizer.from_dir(config.data.tokenizer)
     check_pair(config.model, tokenizer, None, f"data.tokenizer {config.data.tokenizer}", "[model]")
-    copy = RunDirectory(config.logging.run_dir).path / TOKENIZER_DIR
+    copy = RunDirectory(config.logging.run_dir).tokenizer_dir
     if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
         raise ScratchlmError(
             f"data.tokenizer {config.data.tokenizer} is not the tokenizer this run was trained with "
@@ -595,21 +594,11 @@ class _Run:
         """Write the run's config, announce the run, open the metrics log and start the clocks."""
         config = self.config
         if self.dist.is_main:
-            self.run_dir.path.mkdir(parents=True, exist_ok=True)
             choices = self.choices
-            with atomic_write(self.run_dir.config, "w") as f:
-                f.write(
-                    config.to_toml(
-                        notes={
-                            "training.precision": f"resolved to {choices.precision.value!r} on "
-                            f"{choices.profile.name}: {choices.precision.reason}"
-                        }
-                    )
-                )
-            if self.tokenizer is not None and not (self.run_dir.path / TOKENIZER_DIR).is_dir():
-                self.tokenizer.save(
-                    self.run_dir.path / TOKENIZER_DIR
-                )  # the run carries what it needs to generate
+            resolved = (
+                f"resolved to {choices.precision.value!r} on {choices.profile.name}: {choices.precision.reason}"
+            )
+            self.run_dir.create(config.to_toml(notes={"training.precision": resolved}), self.tokenizer)
             console.print(choices.summary(), markup=False, highlight=False)
             for warning in choices.warnings:
                 console.print(f"warning: {warning}", style="yellow", markup=False)
