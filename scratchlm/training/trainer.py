@@ -595,9 +595,7 @@ class _Run:
         config = self.config
         if self.dist.is_main:
             choices = self.choices
-            resolved = (
-                f"resolved to {choices.precision.value!r} on {choices.profile.name}: {choices.precision.reason}"
-            )
+            resolved = f"resolved to {choices.precision.value!r} on {choices.profile.name}: {choices.precision.reason}"
             self.run_dir.create(config.to_toml(notes={"training.precision": resolved}), self.tokenizer)
             console.print(choices.summary(), markup=False, highlight=False)
             for warning in choices.warnings:
