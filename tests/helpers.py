@@ -34,3 +34,9 @@ def assert_same_state(a: dict, b: dict) -> None:
         for name, value in state.items():
             other = b["optimizer"]["state"][index][name]
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def assert_same_gradients(a: torch.nn.Module, b: torch.nn.Module, atol: float, rtol: float) -> None:
+    """Every parameter of `a` has the gradient of the same parameter of `b` (the same architecture)."""
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=name)

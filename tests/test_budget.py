@@ -44,6 +44,20 @@ class FakeClock:
         monkeypatch.setattr(trainer, "clip_grad_norm", a_step_that_takes_time)
 
 
+def slower_after_the_decision(monkeypatch: pytest.MonkeyPatch, step_s: float, extra_s: float) -> None:
+    """A fake clock at `step_s` a step while the budget measures, `step_s + extra_s` after its decision."""
+    clock = FakeClock(step_s)
+    clock.install(monkeypatch)
+    measured_step = trainer.clip_grad_norm
+
+    def slower(*args, **kwargs):
+        if clock.steps >= CALIBRATION_STEPS:
+            clock.now += extra_s
+        return measured_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "clip_grad_norm", slower)
+
+
 def budget_config(tmp_path, run: str, kind: str = "wsd"):
     return small_config(
         tmp_path,
@@ -123,16 +137,7 @@ def test_a_resume_continues_the_decided_schedule_on_a_faster_machine(tmp_path, m
 
 def test_the_budget_stays_a_hard_limit(tmp_path, monkeypatch):
     """A machine that slows down after the measurement is stopped by the budget, with a checkpoint."""
-    clock = FakeClock(0.5)
-    clock.install(monkeypatch)
-    measured_step = trainer.clip_grad_norm
-
-    def four_times_slower_after_the_decision(*args, **kwargs):
-        if clock.steps >= CALIBRATION_STEPS:
-            clock.now += 1.5
-        return measured_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "clip_grad_norm", four_times_slower_after_the_decision)
+    slower_after_the_decision(monkeypatch, 0.5, extra_s=1.5)  # four times slower
     summary = train(budget_config(tmp_path, "run"))
     assert summary.stopped is StopReason.TIME_BUDGET and summary.steps < expected_total(0.5)
     assert 60 < summary.wall_time_s <= 62  # stopped by the first step past the budget
@@ -169,16 +174,7 @@ def test_a_run_that_slows_down_is_shortened_and_still_ends_its_decay_inside_the_
     steps): at step 42 it would overrun (23.2 s + 70 × 0.6 s > 60 s), so it is shortened to
     42 + int(0.92 × 36.8 s / 0.6 s) = 98 steps, which end at 56.8 s at the minimum rate. The steps before the
     revision had the peak rate under either length."""
-    clock = FakeClock(0.5)
-    clock.install(monkeypatch)
-    measured_step = trainer.clip_grad_norm
-
-    def slower_after_the_decision(*args, **kwargs):
-        if clock.steps >= CALIBRATION_STEPS:
-            clock.now += 0.1
-        return measured_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "clip_grad_norm", slower_after_the_decision)
+    slower_after_the_decision(monkeypatch, 0.5, extra_s=0.1)
     summary = train(budget_config(tmp_path, "run"))
     assert summary.stopped is StopReason.FINISHED and summary.steps == 98
     assert summary.wall_time_s == pytest.approx(56.8) and summary.wall_time_s <= BUDGET

@@ -13,6 +13,8 @@ try:
 except ImportError:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from helpers import assert_same_gradients
+
 import scratchlm.kernels.flash as kernel_module
 from scratchlm import ModelConfig, TransformerLM
 from scratchlm.errors import ScratchlmError
@@ -43,8 +45,7 @@ def test_logits_and_gradients_equal_the_tensor_implementation(changes):
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     logits.square().mean().backward()
     expected.square().mean().backward()
-    for (name, p), q in zip(kernel.named_parameters(), blocked.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert_same_gradients(kernel, blocked, atol=1e-6, rtol=1e-4)
 
 
 def test_generation_with_a_kv_cache_uses_the_kernel_and_equals_the_full_forward():
