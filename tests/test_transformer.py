@@ -175,27 +175,38 @@ def test_norm_eps_reaches_every_rmsnorm_and_is_left_out_of_configs_at_its_defaul
     assert {m.eps for m in norms} == {1e-6}
 
 
-def test_one_constructor_takes_the_config_or_the_handouts_arguments():
+def test_one_constructor_takes_the_config_and_the_handouts_signatures_build_it():
+    import inspect
+
     from scratchlm import MultiHeadSelfAttention
 
     config = ModelConfig(vocab_size=40, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    for cls in (TransformerLM, TransformerBlock, MultiHeadSelfAttention):
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "config", "device", "dtype"]
     torch.manual_seed(0)
     loose = TransformerLM(40, 16, 32, 2, 4, 64)
     torch.manual_seed(0)
-    by_config = TransformerLM(config=config)
-    assert loose.config == by_config.config == config
+    by_config = TransformerLM(config)
+    torch.manual_seed(0)
+    by_keyword = TransformerLM(config=config)
+    assert loose.config == by_config.config == by_keyword.config == config
     theirs = by_config.state_dict()
-    assert loose.state_dict().keys() == theirs.keys()
-    assert all(torch.equal(value, theirs[key]) for key, value in loose.state_dict().items())
-    block = TransformerBlock(32, 4, 64, 16)
-    assert block.attn.d_model == 32 and TransformerBlock(config=config).attn.num_heads == 4
-    assert MultiHeadSelfAttention(config=config).q_proj.weight.shape == (32, 32)
+    for other in (loose, by_keyword):
+        assert other.state_dict().keys() == theirs.keys()
+        assert all(torch.equal(value, theirs[key]) for key, value in other.state_dict().items())
+    # The handout's names for the block and attention: max_seq_len is the context, theta RoPE's.
+    block = TransformerBlock(32, 4, 64, 16, theta=100.0, norm="post")
+    assert (block.attn.d_model, block.norm, block.attn.positions.theta) == (32, "post", 100.0)
+    assert block.attn.positions.max_seq_len == 16
+    assert TransformerBlock(config).attn.num_heads == 4
+    assert type(TransformerBlock(32, 4, 64, 16, theta=None).attn.positions).__name__ == "NoPositionEncoding"
+    assert MultiHeadSelfAttention(config).q_proj.weight.shape == (32, 32)
+    assert TransformerLM(40, 16, 32, 2, 4, 64, device="meta").lm_head.weight.is_meta
     for both in (
         lambda: TransformerLM(40, 16, 32, 2, 4, 64, config=config),
         lambda: TransformerBlock(32, 4, 64, 16, config=config),
         lambda: MultiHeadSelfAttention(32, 4, config=config),
+        lambda: TransformerLM(40, 16),  # the handout's required arguments missing
     ):
-        with pytest.raises(TypeError, match="not both"):
+        with pytest.raises(TypeError):
             both()
-    with pytest.raises(TypeError, match="or config="):
-        TransformerLM(40, 16)

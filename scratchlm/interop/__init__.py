@@ -179,7 +179,7 @@ class StateDictAdapter:
 
         self.config = config
         # The model's own tensors, in its order (built on the meta device: shapes, no memory).
-        meta = TransformerLM.from_config(config, device="meta").state_dict()
+        meta = TransformerLM(config, device="meta").state_dict()
         self.shapes = {key: tuple(value.shape) for key, value in meta.items()}
 
     def names(self) -> list[TensorName]:

@@ -319,7 +319,7 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
         tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path))
         check_pair(config, tokenizer, None, str(tokenizer_path), f"the model of {config_path}")
     state = HFAdapter(config).from_external(read_safetensors(directory), str(directory))
-    model = TransformerLM.from_config(config)
+    model = TransformerLM(config)
     model.load_state_dict(state)
     return model.eval(), tokenizer
 

@@ -36,15 +36,50 @@ from scratchlm.model.kv_cache import LayerKVCache
 Device = torch.device | str | None
 
 
-class FromConfig:
-    """`from_config(config, device, dtype)` for a model class whose one constructor takes `config=`: the way
-    `TransformerLM` builds its parts, the config flowing down."""
+DType = torch.dtype | None
+
+
+class HandoutSignature(type):
+    """The metaclass of the model classes built from a `ModelConfig` (`ConfigModule`).
+
+    `Part(config, device, dtype)` is the one constructor. Called with anything else, such as the loose
+    arguments of the CS336 assignment-1 handout's signatures (`TransformerLM(vocab_size, context_length,
+    d_model, num_layers, num_heads, d_ff, rope_theta)`, which the public API keeps), a class is built by its
+    `from_handout`: a thin function that makes the config from those arguments and calls the constructor."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if (args and isinstance(args[0], ModelConfig)) or "config" in kwargs:
+            return super().__call__(*args, **kwargs)
+        if not hasattr(cls, "from_handout"):
+            raise TypeError(f"{cls.__name__} takes a ModelConfig")
+        return cls.from_handout(*args, **kwargs)
+
+
+class ConfigModule(nn.Module, metaclass=HandoutSignature):
+    """A model part whose constructor takes the model's `ModelConfig`: the config flows down from
+    `TransformerLM` and every part reads what it needs from it."""
 
     @classmethod
-    def from_config(
-        cls, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None
-    ) -> Self:
-        return cls(config=config, device=device, dtype=dtype)
+    def from_config(cls, config: ModelConfig, device: Device = None, dtype: DType = None) -> Self:
+        """`cls(config, device, dtype)`, by name."""
+        return cls(config, device, dtype)
+
+
+def handout_config(
+    d_model: int, num_heads: int, d_ff: int | None, max_seq_len: int, theta: float | None, **fields: Any
+) -> ModelConfig:
+    """The `ModelConfig` of the handout's arguments: `max_seq_len` is the context length, `theta` RoPE's
+    (None: no position encoding); `fields` are other `ModelConfig` fields, which win (`positions="none"`)."""
+    positions = {"positions": "none"} if theta is None else {"positions": "rope", "rope_theta": theta}
+    sizes = {"d_model": d_model, "num_heads": num_heads, "d_ff": d_ff, "context_length": max_seq_len}
+    return ModelConfig(**sizes, **{**positions, **fields})
+
+
+def _truncated_normal(rows: int, cols: int, std: float, device: Device, dtype: DType) -> nn.Parameter:
+    """A `(rows, cols)` weight drawn from `N(0, std²)` truncated at ±3σ."""
+    weight = torch.empty(rows, cols, device=device, dtype=dtype)
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    return nn.Parameter(weight)
 
 
 def _at_least_float32(x: Tensor) -> Tensor:
@@ -57,17 +92,12 @@ class Linear(nn.Module):
     activations and of gradients about constant through the layer (Glorot & Bengio, 2010)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        self, in_features: int, out_features: int, device: Device = None, dtype: DType = None
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         std = math.sqrt(2.0 / (in_features + out_features))
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        self.weight = _truncated_normal(out_features, in_features, std, device, dtype)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         # `matmul` folds the leading dimensions into one (tokens × d_in) @ (d_in × d_out) product; an einsum
@@ -82,16 +112,11 @@ class Embedding(nn.Module):
     """Token id -> row of a `(num_embeddings, embedding_dim)` matrix; init `N(0, 1)` truncated at ±3."""
 
     def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        self, num_embeddings: int, embedding_dim: int, device: Device = None, dtype: DType = None
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+        self.weight = _truncated_normal(num_embeddings, embedding_dim, 1.0, device, dtype)
 
     def forward(self, token_ids: Int[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
         return self.weight[token_ids]
@@ -108,11 +133,7 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self,
-        d_model: int,
-        eps: float = DEFAULT_NORM_EPS,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        self, d_model: int, eps: float = DEFAULT_NORM_EPS, device: Device = None, dtype: DType = None
     ) -> None:
         super().__init__()
         self.eps = eps
@@ -135,13 +156,7 @@ def silu(x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
 class SwiGLU(nn.Module):
     """The gated feed-forward network `W2 (silu(W1 x) ⊙ W3 x)`: `W1, W3: (d_ff, d_model)`, `W2: (d_model, d_ff)`."""
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, d_model: int, d_ff: int, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
@@ -156,13 +171,7 @@ class UngatedFeedForward(nn.Module):
     network; a subclass names its activation. With `d_ff = 4 d_model` it has as many parameters as SwiGLU with
     `d_ff = 8/3 d_model`."""
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, d_model: int, d_ff: int, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
@@ -202,7 +211,7 @@ FEED_FORWARDS: dict[str, type[nn.Module]] = {
 }
 
 
-def feed_forward(config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Module:
+def feed_forward(config: ModelConfig, device: Device = None, dtype: DType = None) -> nn.Module:
     """The feed-forward network `config.ffn` names, `d_model -> d_ff -> d_model`."""
     return FEED_FORWARDS[config.ffn](config.d_model, config.d_ff, device=device, dtype=dtype)
 
@@ -345,9 +354,7 @@ class RotaryPositionalEmbedding(nn.Module):
     position below `max_seq_len` are computed once, in float64, and kept as non-persistent buffers (they
     follow the module to a device but are not saved in a state dict)."""
 
-    def __init__(
-        self, theta: float, d_k: int, max_seq_len: int, device: torch.device | str | None = None
-    ) -> None:
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device: Device = None) -> None:
         super().__init__()
         if d_k % 2:
             raise ScratchlmError(f"RoPE rotates pairs of dimensions; d_k must be even, got {d_k}")
@@ -423,7 +430,7 @@ def triton_attention() -> Any:
     return flash_attention
 
 
-class MultiHeadSelfAttention(FromConfig, nn.Module):
+class MultiHeadSelfAttention(ConfigModule):
     """Causal multi-head self-attention: project to queries, keys and values, split `d_model` into
     `num_heads` heads of `d_k = d_model / num_heads` that attend independently (as one more batch
     dimension), concatenate, project back. Queries and keys then go through the position encoding of
@@ -444,37 +451,8 @@ class MultiHeadSelfAttention(FromConfig, nn.Module):
     Triton's interpreter is on (`TRITON_INTERPRET=1`, slow, for tests).
     """
 
-    def __init__(
-        self,
-        d_model: int | None = None,
-        num_heads: int | None = None,
-        max_seq_len: int | None = None,
-        theta: float | None = None,
-        device: Device = None,
-        dtype: torch.dtype | None = None,
-        *,
-        config: ModelConfig | None = None,
-    ) -> None:
-        """The one constructor: the model's `config` (what `from_config` passes), or the loose arguments of
-        the CS336 assignment-1 handout's signature, which the public API keeps: RoPE with `theta` (which
-        needs `max_seq_len`), none without."""
+    def __init__(self, config: ModelConfig, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
-        if config is None:
-            if d_model is None or num_heads is None:
-                raise TypeError("MultiHeadSelfAttention needs d_model and num_heads, or config=")
-            if d_model % num_heads:
-                raise ScratchlmError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-            if theta is not None and max_seq_len is None:
-                raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
-            config = ModelConfig(
-                d_model=d_model,
-                num_heads=num_heads,
-                context_length=max_seq_len or 1,
-                positions="rope" if theta is not None else "none",
-                rope_theta=theta if theta is not None else ModelConfig.rope_theta,
-            )
-        elif (d_model, num_heads, max_seq_len, theta) != (None, None, None, None):
-            raise TypeError("pass either the handout's arguments or config=, not both")
         self.d_model, self.num_heads, self.num_kv_heads = config.d_model, config.num_heads, config.kv_heads
         self.attention = config.attention
         kv_dim = config.kv_heads * config.head_dim
@@ -487,6 +465,21 @@ class MultiHeadSelfAttention(FromConfig, nn.Module):
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device, dtype) if config.qk_norm else None
+
+    @classmethod
+    def from_handout(
+        cls,
+        d_model: int,
+        num_heads: int,
+        max_seq_len: int | None = None,
+        theta: float | None = None,
+        device: Device = None,
+        dtype: DType = None,
+    ) -> MultiHeadSelfAttention:
+        """The handout's signature: RoPE with `theta` (which needs `max_seq_len`), none without."""
+        if theta is not None and max_seq_len is None:
+            raise ScratchlmError("RoPE needs max_seq_len (the longest sequence it will rotate)")
+        return cls(handout_config(d_model, num_heads, None, max_seq_len or 1, theta), device, dtype)
 
     def _uses_kernel(self, q: Tensor) -> bool:
         """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a

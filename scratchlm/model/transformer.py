@@ -38,65 +38,53 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache
 from scratchlm.model.layers import (
+    ConfigModule,
     Device,
+    DType,
     Embedding,
-    FromConfig,
     Linear,
     MultiHeadSelfAttention,
     RMSNorm,
     _at_least_float32,
     feed_forward,
+    handout_config,
 )
 from scratchlm.model.loss import fused_linear_cross_entropy
 
 
-class TransformerBlock(FromConfig, nn.Module):
+class TransformerBlock(ConfigModule):
     """Causal self-attention then a feed-forward network, each inside a residual connection, with RMSNorm
     before each (pre-norm, default), after each addition (post-norm), or nowhere (`config.norm`)."""
 
-    def __init__(
-        self,
-        d_model: int | None = None,
-        num_heads: int | None = None,
-        d_ff: int | None = None,
-        max_seq_len: int | None = None,
-        theta: float | None = 10_000.0,
-        *,
-        norm: str = "pre",
-        ffn: str = "swiglu",
-        config: ModelConfig | None = None,
-        device: Device = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """The one constructor: the model's `config` (what `from_config`, and so `TransformerLM`, passes), or
-        the loose arguments of the CS336 assignment-1 handout's signature, which the public API keeps
-        (`theta=None`: no position encoding)."""
+    def __init__(self, config: ModelConfig, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
-        if config is None:
-            if None in (d_model, num_heads, d_ff, max_seq_len):
-                raise TypeError("TransformerBlock needs d_model, num_heads, d_ff and max_seq_len, or config=")
-            config = ModelConfig(
-                d_model=d_model,
-                num_heads=num_heads,
-                d_ff=d_ff,
-                context_length=max_seq_len,
-                positions="rope" if theta is not None else "none",
-                rope_theta=theta if theta is not None else ModelConfig.rope_theta,
-                norm=norm,
-                ffn=ffn,
-            )
-        elif (d_model, num_heads, d_ff, max_seq_len) != (None, None, None, None):
-            raise TypeError("pass either the handout's arguments or config=, not both")
         self.norm = config.norm
         with_norms = config.norm != "none"
         self.ln1 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
-        self.attn = MultiHeadSelfAttention.from_config(config, device, dtype)
+        self.attn = MultiHeadSelfAttention(config, device, dtype)
         self.ln2 = RMSNorm(config.d_model, config.norm_eps, device, dtype) if with_norms else None
         self.ffn = feed_forward(config, device, dtype)
         if config.zero_init:  # after the random init, so the other weights are those of zero_init=False
             with torch.no_grad():
                 self.attn.output_proj.weight.zero_()
                 self.ffn.w2.weight.zero_()
+
+    @classmethod
+    def from_handout(
+        cls,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        max_seq_len: int,
+        theta: float | None = 10_000.0,
+        *,
+        device: Device = None,
+        dtype: DType = None,
+        **switches: Any,
+    ) -> TransformerBlock:
+        """The handout's signature (`theta=None`: no position encoding); other `ModelConfig` fields (`norm`,
+        `ffn`, ...) as keyword arguments."""
+        return cls(handout_config(d_model, num_heads, d_ff, max_seq_len, theta, **switches), device, dtype)
 
     def forward(
         self,
@@ -118,7 +106,7 @@ class TransformerBlock(FromConfig, nn.Module):
         return x + self.ffn(x)
 
 
-class TransformerLM(FromConfig, nn.Module):
+class TransformerLM(ConfigModule):
     """Token ids `(..., seq)` -> next-token logits `(..., seq, vocab_size)`, `seq <= context_length`.
 
     With a `kv_cache` (from `new_kv_cache`), `token_ids` `(batch, n)` are the tokens that follow those the
@@ -126,47 +114,11 @@ class TransformerLM(FromConfig, nn.Module):
     `scratchlm.model.kv_cache`.
     """
 
-    def __init__(
-        self,
-        vocab_size: int | None = None,
-        context_length: int | None = None,
-        d_model: int | None = None,
-        num_layers: int | None = None,
-        num_heads: int | None = None,
-        d_ff: int | None = None,
-        rope_theta: float = 10_000.0,
-        *,
-        config: ModelConfig | None = None,
-        device: Device = None,
-        dtype: torch.dtype | None = None,
-        **switches: Any,
-    ) -> None:
-        """The one constructor: the model's `config` (what `from_config` passes), or the loose arguments of
-        the CS336 assignment-1 handout's signature, which the public API keeps, with the other `ModelConfig`
-        fields (`norm`, `positions`, `ffn`, `tie_embeddings`, ...) as keyword arguments."""
+    def __init__(self, config: ModelConfig, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
-        if config is None:
-            if None in (vocab_size, context_length, d_model, num_layers, num_heads):
-                raise TypeError(
-                    "TransformerLM needs vocab_size, context_length, d_model, num_layers and num_heads, or config="
-                )
-            config = ModelConfig(
-                vocab_size=vocab_size,
-                context_length=context_length,
-                d_model=d_model,
-                num_layers=num_layers,
-                num_heads=num_heads,
-                d_ff=d_ff,
-                rope_theta=rope_theta,
-                **switches,
-            )
-        elif (vocab_size, context_length, d_model, num_layers, num_heads, d_ff) != (None,) * 6 or switches:
-            raise TypeError("pass either the handout's arguments or config=, not both")
         self.config = config
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(
-            TransformerBlock.from_config(config, device, dtype) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(TransformerBlock(config, device, dtype) for _ in range(config.num_layers))
         d_kv = config.kv_heads * config.head_dim
         self.value_embeddings = (
             nn.ModuleList(
@@ -191,6 +143,27 @@ class TransformerLM(FromConfig, nn.Module):
             # rather than the embedding's N(0, 1): unit-variance rows would make the initial logits
             # sqrt(d_model) times too large.
             self.token_embeddings.weight = self.lm_head.weight
+
+    @classmethod
+    def from_handout(
+        cls,
+        vocab_size: int,
+        context_length: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        d_ff: int | None = None,
+        rope_theta: float = 10_000.0,
+        *,
+        device: Device = None,
+        dtype: DType = None,
+        **switches: Any,
+    ) -> TransformerLM:
+        """The handout's signature; other `ModelConfig` fields (`norm`, `positions`, `tie_embeddings`, ...)
+        as keyword arguments."""
+        sizes = {"vocab_size": vocab_size, "num_layers": num_layers}
+        config = handout_config(d_model, num_heads, d_ff, context_length, rope_theta, **sizes, **switches)
+        return cls(config, device, dtype)
 
     def forward(
         self,

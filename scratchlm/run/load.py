@@ -81,7 +81,7 @@ def load_trained(
 
 def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> TrainedModel:
     checkpoint = Checkpoint.read(path)
-    model = TransformerLM.from_config(checkpoint.model_config, device=device)
+    model = TransformerLM(checkpoint.model_config, device=device)
     checkpoint.load_into(model)
     model.eval()
     return TrainedModel(model, None, path, checkpoint.train_config, checkpoint.tokenizer_fingerprint)

@@ -240,7 +240,7 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer | None:
 def build_model(config: TrainConfig, device: torch.device) -> TransformerLM:
     """The model of `[model]`, its initial weights drawn from `training.seed`."""
     torch.manual_seed(config.training.seed)
-    return TransformerLM.from_config(config.model, device=device)
+    return TransformerLM(config.model, device=device)
 
 
 @dataclass
