@@ -141,16 +141,11 @@ def check_output_dir(
     )
 
 
-def claim_output_dir(
-    path: str | os.PathLike,
-    kind: str,
-    inputs: Iterable[str | os.PathLike] = (),
-    previous: Callable[[Path], bool] | None = None,
-) -> Path:
+def claim_output_dir(path: str | os.PathLike, kind: str, inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """`check_output_dir`, then create the directory (if needed) and mark it as a `kind` output, for
     directories that are written file by file rather than replaced whole."""
     path = Path(path)
-    check_output_dir(path, kind, inputs, previous)
+    check_output_dir(path, kind, inputs)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -193,12 +193,7 @@ def run_sweep(
         )
         for run in runs
     ]
-    claim_output_dir(
-        out_dir,
-        SWEEP_KIND,
-        [config_path] if config_path else [],
-        previous=lambda d: (d / SWEEP_FILE).is_file(),
-    )
+    claim_output_dir(out_dir, SWEEP_KIND, [config_path] if config_path else [])
     status_path = out_dir / SWEEP_FILE
     outcomes: dict[str, dict[str, Any]] = _read_json(status_path) if status_path.exists() else {}
 

@@ -151,6 +151,43 @@ def halves_to_pairs(weight: Float[Tensor, "rows ..."], heads: int) -> Float[Tens
     return rearrange(weight, "(heads two half) ... -> (heads half two) ...", heads=heads, two=2)
 
 
+# Every tensor under each format's name: scratchlm's, transformers' (Llama and Qwen3) and llama.cpp's ("llama"
+# architecture). A block's tensors are named after the format's prefix for block {i} (`BLOCK_PREFIXES`) and
+# before ".weight"; None: the format has no such tensor, and `check_exportable` refuses models that have it.
+NAME_COLUMNS = ("scratchlm", "hf", "gguf")  # the export formats (`FORMATS`) after scratchlm
+GLOBAL_NAMES = (
+    ("token_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight"),
+    ("ln_final.weight",         "model.norm.weight",         "output_norm.weight"),
+    ("lm_head.weight",          "lm_head.weight",            "output.weight"),
+)  # fmt: skip
+BLOCK_PREFIXES = ("layers.{i}.", "model.layers.{i}.", "blk.{i}.")
+BLOCK_NAMES = (
+    ("ln1",              "input_layernorm",          "attn_norm"),
+    ("attn.q_proj",      "self_attn.q_proj",         "attn_q"),
+    ("attn.k_proj",      "self_attn.k_proj",         "attn_k"),
+    ("attn.v_proj",      "self_attn.v_proj",         "attn_v"),
+    ("attn.output_proj", "self_attn.o_proj",         "attn_output"),
+    ("attn.q_norm",      "self_attn.q_norm",         None),
+    ("attn.k_norm",      "self_attn.k_norm",         None),
+    ("ln2",              "post_attention_layernorm", "ffn_norm"),
+    ("ffn.w1",           "mlp.gate_proj",            "ffn_gate"),
+    ("ffn.w3",           "mlp.up_proj",              "ffn_up"),
+    ("ffn.w2",           "mlp.down_proj",            "ffn_down"),
+)  # fmt: skip
+
+
+def format_names(fmt: str) -> dict[str, str]:
+    """scratchlm's name -> the name in the export format `fmt` ("hf", "gguf"), `{i}` standing for a block's
+    index, for the tensors the format has."""
+    column = NAME_COLUMNS.index(fmt)
+    names = {row[0]: row[column] for row in GLOBAL_NAMES}
+    ours, theirs = BLOCK_PREFIXES[0], BLOCK_PREFIXES[column]
+    for row in BLOCK_NAMES:
+        if row[column] is not None:
+            names[f"{ours}{row[0]}.weight"] = f"{theirs}{row[column]}.weight"
+    return names
+
+
 @dataclass(frozen=True)
 class TensorName:
     """One tensor under both names; `heads` is set for the rows RoPE rotates (W_Q, W_K and QK-norm gains)."""
@@ -162,17 +199,13 @@ class TensorName:
 
 class StateDictAdapter:
     """scratchlm's state dict <-> an external format's tensors, for the model of `config`. Abstract: a
-    subclass per format sets the three class attributes below.
-
-    A subclass gives the names (`global_names` for the tensors outside the blocks, `layer_names` for those of
-    block `{i}`) and says whether the format rotates halves. The tensors are those of the scratchlm model the
-    config builds, so a tensor that the format has no name for is a `KeyError`, which `check_exportable`
-    rules out beforehand. Tied embeddings are one tensor in the external dict (the embedding matrix) and
+    subclass per format names its column of the names table (`format`, an export format) and says whether the
+    format rotates halves. The tensors are those of the scratchlm model the config builds, so a tensor that the
+    format has no name for is a `KeyError`, which `check_exportable` rules out beforehand. Tied embeddings are one tensor in the external dict (the embedding matrix) and
     both `token_embeddings.weight` and `lm_head.weight` in scratchlm's."""
 
+    format: str
     rotates_halves: bool
-    global_names: dict[str, str]
-    layer_names: dict[str, str]
 
     def __init__(self, config: ModelConfig) -> None:
         from scratchlm.model.transformer import TransformerLM
@@ -186,15 +219,17 @@ class StateDictAdapter:
         c = self.config
         rotated = {"attn.q_proj.weight": c.num_heads, "attn.k_proj.weight": c.kv_heads}
         rotated |= {"attn.q_norm.weight": 1, "attn.k_norm.weight": 1}  # one head's gains, shared by all
+        theirs = format_names(self.format)
         entries = []
         for key in self.shapes:
             if key == "lm_head.weight" and c.tie_embeddings:
                 continue
             if key.startswith("layers."):
                 _, layer, name = key.split(".", 2)
-                entries.append(TensorName(key, self.layer_names[name].format(i=layer), rotated.get(name)))
+                template = theirs[f"layers.{{i}}.{name}"]
+                entries.append(TensorName(key, template.format(i=layer), rotated.get(name)))
             else:
-                entries.append(TensorName(key, self.global_names[key]))
+                entries.append(TensorName(key, theirs[key]))
         return entries
 
     def to_external(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -30,12 +30,11 @@ import numpy as np
 import torch
 
 from scratchlm.console import console
-from scratchlm.errors import ScratchlmError
-from scratchlm.interop import StateDictAdapter, check_exportable, require
+from scratchlm.interop import StateDictAdapter, require
 from scratchlm.interop.hf import ExportResult
 from scratchlm.interop.verify import (
-    DTYPES,
     as_stored,
+    check_export,
     check_logits,
     dtype_keyword,
     optional_transformers,
@@ -54,23 +53,8 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
 class GGUFAdapter(StateDictAdapter):
     """scratchlm <-> llama.cpp's "llama" tensor names; both rotate adjacent pairs."""
 
+    format = "gguf"
     rotates_halves = False
-    global_names = {
-        "token_embeddings.weight": "token_embd.weight",
-        "ln_final.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    layer_names = {
-        "ln1.weight": "blk.{i}.attn_norm.weight",
-        "attn.q_proj.weight": "blk.{i}.attn_q.weight",
-        "attn.k_proj.weight": "blk.{i}.attn_k.weight",
-        "attn.v_proj.weight": "blk.{i}.attn_v.weight",
-        "attn.output_proj.weight": "blk.{i}.attn_output.weight",
-        "ln2.weight": "blk.{i}.ffn_norm.weight",
-        "ffn.w1.weight": "blk.{i}.ffn_gate.weight",
-        "ffn.w3.weight": "blk.{i}.ffn_up.weight",
-        "ffn.w2.weight": "blk.{i}.ffn_down.weight",
-    }
 
 
 def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -141,12 +125,7 @@ def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
     """Write `trained` (model and tokenizer) as the GGUF file `out`. With transformers installed, its GGUF
     reader loads the file and its logits are compared with scratchlm's before the file takes its name."""
     out = Path(out)
-    config = trained.model.config
-    architecture = check_exportable(config, "gguf")
-    if dtype not in DTYPES:
-        raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if trained.tokenizer is None:
-        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    architecture = check_export(trained, "gguf", dtype)
     check_output_file(out, previous=_is_gguf, what="a GGUF file")  # before any work
     require("gguf")
     model = trained.model.cpu().float()

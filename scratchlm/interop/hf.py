@@ -50,11 +50,17 @@ from scratchlm.interop import (
     QWEN3,
     Architecture,
     StateDictAdapter,
-    check_exportable,
     require,
 )
 from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
-from scratchlm.interop.verify import DTYPES, as_stored, check_logits, optional_transformers, quiet
+from scratchlm.interop.verify import (
+    DTYPES,
+    as_stored,
+    check_export,
+    check_logits,
+    optional_transformers,
+    quiet,
+)
 from scratchlm.io import atomic_directory, check_output_dir, to_toml
 from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
@@ -73,25 +79,8 @@ CHECK_TEXT = "Hello, world! It's 2024: naïve café, 東京, emoji 🙂.\n\n\tx 
 class HFAdapter(StateDictAdapter):
     """scratchlm <-> transformers' Llama and Qwen3 names; transformers' RoPE rotates halves."""
 
+    format = "hf"
     rotates_halves = True
-    global_names = {
-        "token_embeddings.weight": "model.embed_tokens.weight",
-        "ln_final.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-    }
-    layer_names = {
-        "ln1.weight": "model.layers.{i}.input_layernorm.weight",
-        "attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
-        "attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
-        "attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
-        "attn.output_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-        "attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-        "attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-        "ln2.weight": "model.layers.{i}.post_attention_layernorm.weight",
-        "ffn.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-        "ffn.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-        "ffn.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    }
 
 
 @dataclass(frozen=True)
@@ -167,11 +156,7 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
     scratchlm's before it replaces `out`."""
     out = Path(out)
     config = trained.model.config
-    architecture = check_exportable(config, "hf")
-    if dtype not in DTYPES:
-        raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if trained.tokenizer is None:
-        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    architecture = check_export(trained, "hf", dtype)
     check_output_dir(out, HF_EXPORT_KIND)  # before any work: only an earlier export may be replaced
     safetensors_torch = require("safetensors.torch")
     model = trained.model.cpu().float()

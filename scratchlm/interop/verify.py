@@ -22,10 +22,23 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.interop import Architecture, check_exportable
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.load import TrainedModel
 
 TOLERANCE = 1e-4  # on the largest logit difference, relative to the largest logit (at least 1)
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_export(trained: TrainedModel, format: str, dtype: str) -> Architecture:
+    """What every export checks before any work: the architecture of `format` that computes the model exactly
+    (`check_exportable`), a `dtype` of `DTYPES`, and a tokenizer to write beside the weights."""
+    architecture = check_exportable(trained.model.config, format)
+    if dtype not in DTYPES:
+        raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if trained.tokenizer is None:
+        raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
+    return architecture
 
 
 def optional_transformers() -> ModuleType | None:
