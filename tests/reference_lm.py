@@ -2,8 +2,7 @@
 
 Same architecture and state-dict names as scratchlm's `TransformerLM` (so one state dict loads into both), but
 made of `nn.Embedding`, `nn.Linear`, `nn.RMSNorm`, `F.silu`, `F.scaled_dot_product_attention` and a RoPE written
-with complex numbers. `forward` takes an optional boolean attention mask (True = may attend) in place of the
-causal one, which lets the tests express sliding-window attention.
+with complex numbers.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class Attention(nn.Module):
         self.q_proj, self.output_proj = (nn.Linear(c.d_model, c.d_model, bias=False) for _ in range(2))
         self.k_proj, self.v_proj = (nn.Linear(c.d_model, kv_dim, bias=False) for _ in range(2))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         *batch, seq, d = x.shape
         h = self.c.num_heads
 
@@ -45,10 +44,7 @@ class Attention(nn.Module):
             pos = torch.arange(seq)
             q, k = complex_rope(q, pos, self.c.rope_theta), complex_rope(k, pos, self.c.rope_theta)
         gqa = self.c.kv_heads < h  # grouped-query attention: torch repeats each K/V head over its group
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.output_proj(out.transpose(-2, -3).reshape(*batch, seq, d))
 
 
@@ -74,14 +70,14 @@ class Block(nn.Module):
             self.ln1, self.ln2 = nn.RMSNorm(c.d_model, eps=1e-5), nn.RMSNorm(c.d_model, eps=1e-5)
         self.attn, self.ffn = Attention(c), FeedForward(c)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm == "pre":
-            x = x + self.attn(self.ln1(x), mask)
+            x = x + self.attn(self.ln1(x))
             return x + self.ffn(self.ln2(x))
         if self.norm == "post":
-            x = self.ln1(x + self.attn(x, mask))
+            x = self.ln1(x + self.attn(x))
             return self.ln2(x + self.ffn(x))
-        x = x + self.attn(x, mask)
+        x = x + self.attn(x)
         return x + self.ffn(x)
 
 
@@ -97,10 +93,10 @@ class ReferenceLM(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.token_embeddings.weight
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.token_embeddings(ids)
         for block in self.layers:
-            x = block(x, mask)
+            x = block(x)
         if self.c.norm == "pre":
             x = self.ln_final(x)
         return self.lm_head(x)

@@ -1,11 +1,9 @@
-"""KV-cache generation against full forward passes and against sliding-window attention in the torch.nn
-reference (tests/reference_lm.py)."""
+"""KV-cache forward passes against full forward passes."""
 
 import dataclasses
 
 import pytest
 import torch
-from reference_lm import reference_from
 
 from scratchlm import ModelConfig, TransformerLM
 from scratchlm.errors import ScratchlmError
@@ -45,33 +43,36 @@ def test_chunks_of_any_size_equal_full_forward():
 
 
 @torch.no_grad()
-def test_one_layer_past_context_equals_forward_on_last_context_tokens():
-    model = tiny_model(num_layers=1)
-    tokens = ids(2, 30, seed=3)
+def test_the_cache_holds_the_context_and_refuses_more():
+    model = tiny_model()
+    tokens = ids(2, 13, seed=3)
     cache = model.new_kv_cache(2)
     model(tokens[:, :12], kv_cache=cache)
-    for t in range(12, 30):
-        logits = model(tokens[:, t : t + 1], kv_cache=cache)
-        window = tokens[:, t - 11 : t + 1]
-        torch.testing.assert_close(logits[:, 0], model(window)[:, -1], atol=1e-5, rtol=1e-4)
-    assert cache.length == 30 and cache.layers[0].keys.shape[-2] == 12
+    assert cache.length == 12 and all(layer.keys.shape[-2] == 12 for layer in cache.layers)
+    with pytest.raises(ScratchlmError, match="at most 12 tokens a sequence"):
+        model(tokens[:, 12:], kv_cache=cache)
+    assert cache.length == 12 and all(layer.seen == 12 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("positions", ["rope", "none"])
 @torch.no_grad()
-def test_decoding_past_context_is_sliding_window_attention(positions):
-    # Deeper layers' cached keys remember tokens that have left the window: the oracle is the reference model
-    # over the whole sequence with a banded mask (each token sees itself and the 11 tokens before it).
-    model = tiny_model(num_layers=3, positions=positions)
-    reference = reference_from(model)
-    tokens = ids(2, 40, seed=4)
-    query, key = torch.arange(40)[:, None], torch.arange(40)[None, :]
-    band = (key <= query) & (key > query - 12)
-    expected = reference(tokens, mask=band)
-    cache = model.new_kv_cache(2)
-    pieces = [model(tokens[:, :12], kv_cache=cache)]
-    pieces += [model(tokens[:, t : t + 1], kv_cache=cache) for t in range(12, 40)]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, atol=2e-5, rtol=1e-4)
+def test_a_padded_row_holds_the_context_and_refuses_more():
+    from scratchlm.model.kv_cache import PaddedKVCache
+
+    model = tiny_model()
+    c = model.config
+    padded = PaddedKVCache(c.num_layers, c.context_length, 2, c.kv_heads, c.head_dim, torch.float32)
+    tokens = ids(2, 12, seed=5)
+    for row, length in ((0, 11), (1, 6)):
+        cache = model.new_kv_cache(1)
+        model(tokens[row : row + 1, :length], kv_cache=cache)
+        padded.store(row, cache)
+    padded.batch_size = 2
+    last = model(tokens[:, 11:12], kv_cache=padded)  # row 0 reaches the context; row 1 goes on
+    torch.testing.assert_close(last[0, -1], model(tokens[:1])[0, -1], atol=1e-5, rtol=1e-4)
+    assert padded.room() == 0
+    with pytest.raises(ScratchlmError, match="at most 12 tokens a sequence"):
+        model(tokens[:, :1], kv_cache=padded)
+    assert padded.lengths == [12, 7]
 
 
 def test_misuse_is_a_clear_error():

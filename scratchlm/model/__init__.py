@@ -3,7 +3,7 @@
 - `config.py`: `ModelConfig`, the hyperparameters and ablation switches, saved in every checkpoint.
 - `layers.py`: Linear, Embedding, RMSNorm, SwiGLU, softmax, attention, RoPE — each from tensor operations.
 - `transformer.py`: `TransformerBlock` and `TransformerLM`.
-- `kv_cache.py`: the sliding-window key/value cache used for generation.
+- `kv_cache.py`: the key/value caches of generation (one batch of equal lengths) and serving (a row a sequence).
 - `accounting.py`: parameters, FLOPs and training memory from formulas (`scratchlm accounting`).
 
 The public names are exported from the top-level package (`from scratchlm import TransformerLM`); this

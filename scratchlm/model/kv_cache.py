@@ -4,18 +4,15 @@ Without a cache, generating token t recomputes the keys and values of tokens 0..
 one, each layer keeps the keys and values it has already computed, and a call gets only the new tokens:
 their queries attend to the cached keys plus their own, and their keys and values are appended.
 
-The cache is a sliding window of at most `window` (the model's context length) tokens: when it is full the
-oldest are dropped, so a new token attends to itself and the `window - 1` tokens before it, in every layer —
-sliding-window attention (as in Longformer and Mistral). In a one-layer model this is exactly a forward pass
-over the last `window` tokens; in deeper ones the cached keys and values of layer 2 and above were computed
-when older tokens were still visible, so they carry information from beyond the window (the receptive field
-grows by a window per layer), and the logits differ from a forward pass over the last `window` tokens alone.
+A cache holds at most `window` tokens, the model's context length: the positions the model was trained on.
+Appending past that is an error. (Dropping the oldest entries would not give the logits of the model run on
+the last `window` tokens: a cached key of layer 2 and above was computed while older tokens were visible.
+`scratchlm.generation` therefore recomputes over the last `window` tokens once a sequence outgrows it.)
 
 Keys are stored *after* the position encoding (`ModelConfig.positions`), each at its absolute position (the
 count of tokens before it, `LayerKVCache.seen`): a decode step encodes its new token's query and key only,
-never the cached window again, and the cached keys are exactly those a forward pass over the whole sequence
-computes. (Generation never decodes past the context with a cache, so the positions stay within the RoPE
-table; past it, the angles are computed on the spot.)
+never the cached ones again, and the cached keys are exactly those a forward pass over the whole sequence
+computes.
 
     cache = model.new_kv_cache(batch_size=1)
     logits = model(prompt_ids, kv_cache=cache)        # prefill: (1, prompt_len, vocab)
@@ -39,8 +36,9 @@ from scratchlm.errors import ScratchlmError
 
 
 class LayerKVCache:
-    """One attention layer's cached keys (after the position encoding) and values, `(batch, kv_heads, ≤ window,
-    d_k)` each: under grouped-query attention only the `num_kv_heads` key/value heads are kept."""
+    """One attention layer's cached keys (after the position encoding) and values, `(batch, kv_heads, seen,
+    d_k)` each, `seen ≤ window`: under grouped-query attention only the `num_kv_heads` key/value heads are
+    kept."""
 
     def __init__(self, window: int) -> None:
         self.window = window
@@ -52,33 +50,36 @@ class LayerKVCache:
         self,
         keys: Float[Tensor, "batch kv_heads new d_k"],
         values: Float[Tensor, "batch kv_heads new d_k"],
-    ) -> tuple[Float[Tensor, "batch kv_heads window d_k"], Float[Tensor, "batch kv_heads window d_k"]]:
-        """Append the new tokens' keys and values, drop what falls out of the window, return the window.
-        Several new tokens share one window: the last sees `window` tokens, the earlier ones fewer."""
+    ) -> tuple[Float[Tensor, "batch kv_heads seen d_k"], Float[Tensor, "batch kv_heads seen d_k"]]:
+        """Append the new tokens' keys and values and return all the cached ones, the new tokens last."""
         self.seen += keys.shape[-2]
         if self.keys is not None and self.values is not None:
             keys = torch.cat((self.keys, keys), dim=-2)
             values = torch.cat((self.values, values), dim=-2)
-        self.keys, self.values = keys[..., -self.window :, :], values[..., -self.window :, :]
+        self.keys, self.values = keys, values
         return self.keys, self.values
 
     def attention_layout(
         self,
     ) -> tuple[int | Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"] | None]:
         """Before `append`: the new tokens' positions and the keys each may attend to. Here the first new
-        token's position, the same for every row, and no mask: the new tokens are the last of the window and
+        token's position, the same for every row, and no mask: the new tokens are the last of the keys and
         attend causally. (A `PaddedKVCache` layer gives a position and a mask per row.)"""
         return self.seen, None
 
 
 class KVCache:
-    """The caches of all layers of one model for one batch of sequences; `length` counts the tokens seen
-    (it keeps growing past the window, while each layer keeps at most `window` tokens)."""
+    """The caches of all layers of one model for one batch of sequences, at most `window` tokens each;
+    `length` counts the tokens seen."""
 
     def __init__(self, num_layers: int, window: int, batch_size: int) -> None:
         self.window, self.batch_size = window, batch_size
         self.layers = [LayerKVCache(window) for _ in range(num_layers)]
         self.length = 0
+
+    def room(self) -> int:
+        """How many more tokens each sequence may take."""
+        return self.window - self.length
 
     def advance(self, num_new: int) -> None:
         """Count `num_new` more tokens seen (the model calls this after each forward pass)."""
@@ -140,6 +141,10 @@ class PaddedKVCache:
         self.lengths[target] = length
         self._layout = None
 
+    def room(self) -> int:
+        """How many more tokens each row in use may take: the longest row's room."""
+        return self.window - max(self.lengths[: self.batch_size], default=0)
+
     def advance(self, num_new: int) -> None:
         """Each of the first `batch_size` rows has seen `num_new` more tokens."""
         for row in range(self.batch_size):
@@ -154,8 +159,6 @@ class PaddedKVCache:
         longest row has (the window the step computes on)."""
         if self._layout is None:
             lengths = self.lengths[: self.batch_size]
-            if max(lengths) >= self.window:
-                raise ScratchlmError(f"a row of the cache is full ({self.window} tokens)")
             positions = torch.tensor(lengths, device=self._key_index.device)
             num_keys = max(lengths) + 1
             mask = self._key_index[:num_keys] <= positions[:, None]

@@ -245,7 +245,7 @@ def causal_attention(
     block_size: int = 64,
 ) -> Float[Tensor, "... queries d_v"]:
     """`scaled_dot_product_attention` with the causal mask, the queries being the last `queries` of the
-    `keys` positions (all of them in training; the new tokens after a KV cache's window in generation).
+    `keys` positions (all of them in training; the new tokens after a KV cache's keys in generation).
 
     Half of a causal score matrix is masked out, so it is computed by blocks of `block_size` queries, each
     against only the keys up to its last query: with 256 queries in blocks of 64, 10/16 of the scores are
@@ -370,17 +370,10 @@ class RotaryPositionalEmbedding(nn.Module):
         return self._rotate(x, self.cos[token_positions], self.sin[token_positions])
 
     def encode_from(self, x: Float[Tensor, "... seq d_k"], start: int) -> Float[Tensor, "... seq d_k"]:
-        """`forward` at the consecutive positions `start, start + 1, …`: a slice of the table rather than a
-        gather. Positions past the table (a KV cache decoding beyond the context, whose sliding window keeps
-        counting) get their angles computed on the spot, in float64 as the table's are."""
+        """`forward` at the consecutive positions `start, start + 1, …` (below `max_seq_len`): a slice of the
+        table rather than a gather."""
         stop = start + x.shape[-2]
-        if stop <= self.max_seq_len:
-            return self._rotate(x, self.cos[start:stop], self.sin[start:stop])
-        inv_freq = self.theta ** (
-            -torch.arange(0, self.d_k, 2, dtype=torch.float64, device=x.device) / self.d_k
-        )
-        angles = torch.outer(torch.arange(start, stop, dtype=torch.float64, device=x.device), inv_freq)
-        return self._rotate(x, angles.cos().float(), angles.sin().float())
+        return self._rotate(x, self.cos[start:stop], self.sin[start:stop])
 
     @staticmethod
     def _rotate(
@@ -442,8 +435,8 @@ class MultiHeadSelfAttention(ConfigModule):
 
     With a `kv_cache` (one layer's `LayerKVCache`), `x` holds only the new tokens: their queries and keys are
     encoded at their absolute positions (the tokens the cache has seen so far), their keys and values are
-    appended to the cached ones (keys cached already encoded, so the cached window is never encoded again),
-    and they attend to the whole window and causally among themselves.
+    appended to the cached ones (keys cached already encoded, so cached keys are never encoded again), and
+    they attend to all the cached keys and causally among themselves.
 
     `config.attention` picks the computation: the FlashAttention-2 Triton kernel (`scratchlm.kernels`; on a
     CUDA device, with or without a KV cache) or `causal_attention` (anywhere). "auto" takes the kernel for
@@ -537,7 +530,7 @@ class MultiHeadSelfAttention(ConfigModule):
 
         if mask is None and self._uses_kernel(q):  # the kernel is causal; a padded cache's mask is not
             # (... heads seq d_k) as the kernel's (batch heads seq d_k); it reads each key/value head for its
-            # whole group of query heads, and with a KV cache the queries are the window's last positions.
+            # whole group of query heads, and with a KV cache the queries are the last of the keys' positions.
             lead = q.shape[:-3]
             heads = self._kernel()(
                 q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:]), v.reshape(-1, *v.shape[-3:])

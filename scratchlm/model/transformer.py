@@ -184,6 +184,11 @@ class TransformerLM(ConfigModule):
                 f"with a KV cache the input must be (batch={kv_cache.batch_size}, new_tokens); "
                 f"got shape {tuple(token_ids.shape)}"
             )
+        if kv_cache is not None and seq > kv_cache.room():
+            raise ScratchlmError(
+                f"the KV cache holds at most {kv_cache.window} tokens a sequence (the context_length); "
+                f"{seq} more do not fit"
+            )
         layer_caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers)
 
         x = self.token_embeddings(token_ids)
