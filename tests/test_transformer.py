@@ -194,7 +194,7 @@ def test_one_constructor_takes_the_config_and_the_handouts_signatures_build_it()
     for other in (loose, by_keyword):
         assert other.state_dict().keys() == theirs.keys()
         assert all(torch.equal(value, theirs[key]) for key, value in other.state_dict().items())
-    # The handout's names for the block and attention: max_seq_len is the context, theta RoPE's.
+    # The CS336 assignment-1 handout's names for the block and attention: max_seq_len is the context, theta RoPE's.
     block = TransformerBlock(32, 4, 64, 16, theta=100.0, norm="post")
     assert (block.attn.d_model, block.norm, block.attn.positions.theta) == (32, "post", 100.0)
     assert block.attn.positions.max_seq_len == 16

@@ -159,7 +159,7 @@ class TransformerLM(ConfigModule):
         dtype: DType = None,
         **switches: Any,
     ) -> TransformerLM:
-        """The handout's signature; other `ModelConfig` fields (`norm`, `positions`, `tie_embeddings`, ...)
+        """The CS336 assignment-1 handout's signature; other `ModelConfig` fields (`norm`, `positions`, `tie_embeddings`, ...)
         as keyword arguments."""
         sizes = {"vocab_size": vocab_size, "num_layers": num_layers}
         config = handout_config(d_model, num_heads, d_ff, context_length, rope_theta, **sizes, **switches)
