@@ -78,10 +78,40 @@ def _dot(a, b, FP32_DOTS: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(base, rows, stride, num_rows, offs_d, head_dim):
-    """Rows `rows` of a (num_rows, head_dim) matrix at `base` with row stride `stride`, zeros past its ends."""
+def _load_rows(base, rows, stride, num_rows, head_dim, D_PAD: tl.constexpr):
+    """Rows `rows` of a (num_rows, head_dim) matrix at `base` with row stride `stride`, padded to `D_PAD`
+    columns, zeros past its ends."""
+    offs_d = tl.arange(0, D_PAD)
     mask = (rows < num_rows)[:, None] & (offs_d < head_dim)[None, :]
     return tl.load(base + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(base, x, rows, num_rows, head_dim, D_PAD: tl.constexpr):
+    """`x` (rows × `D_PAD`) into rows `rows` of the contiguous (num_rows, head_dim) matrix at `base`, in its
+    dtype, nothing past its ends. The outputs (O, dQ, dK, dV) are all allocated contiguous."""
+    offs_d = tl.arange(0, D_PAD)
+    mask = (rows < num_rows)[:, None] & (offs_d < head_dim)[None, :]
+    tl.store(base + rows[:, None] * head_dim + offs_d[None, :], x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _query_program(heads, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (i, bh) of the forward's and dQ's grid: block i of `BLOCK_M` queries of head h of batch b,
+    bh = b · heads + h, which attends with key/value head h // GROUP. Returns i, the block's rows, bh, b, h
+    and that key/value head."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    h = bh % heads
+    return pid_m, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), bh, bh // heads, h, h // GROUP
+
+
+@triton.jit
+def _keys_seen(pid_m, offset, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """How far query block `pid_m` reads the keys: all of them, or (causal) up to its last query's position."""
+    hi = seq_k
+    if CAUSAL:  # the block's last query sees keys up to offset + (pid_m + 1) * BLOCK_M - 1
+        hi = tl.minimum(seq_k, offset + (pid_m + 1) * BLOCK_M)
+    return hi
 
 
 @triton.jit
@@ -90,19 +120,14 @@ def _forward_kernel(
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_os,
     heads, seq_q, seq_k, head_dim, scale_log2,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
     FP32_DOTS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    kv = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qs, seq_q, offs_d, head_dim)
+    """O and L of one block of queries of one head, over the keys it sees."""
+    pid_m, rows, bh, b, h, kv = _query_program(heads, GROUP, BLOCK_M)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qs, seq_q, head_dim, D_PAD)
     k_base = K + b * stride_kb + kv * stride_kh
     v_base = V + b * stride_vb + kv * stride_vh
 
@@ -110,18 +135,15 @@ def _forward_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    hi = seq_k
-    if CAUSAL:  # the block's last query sees keys up to offset + (pid_m + 1) * BLOCK_M - 1
-        hi = tl.minimum(seq_k, offset + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_rows(k_base, cols, stride_ks, seq_k, offs_d, head_dim)
-        v = _load_rows(v_base, cols, stride_vs, seq_k, offs_d, head_dim)
+    for start_n in range(0, _keys_seen(pid_m, offset, seq_k, CAUSAL, BLOCK_M), BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, stride_ks, seq_k, head_dim, D_PAD)
+        v = _load_rows(v_base, cols, stride_vs, seq_k, head_dim, D_PAD)
         s = _dot(q, tl.trans(k), FP32_DOTS, IEEE) * scale_log2
         # Rows past seq_q are left unmasked (never stored): masking them whole would make m = -inf and NaNs.
         visible = (cols < seq_k)[None, :]
         if CAUSAL:
-            visible = visible & (offs_m[:, None] + offset >= cols[None, :])
+            visible = visible & (rows[:, None] + offset >= cols[None, :])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -130,13 +152,8 @@ def _forward_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOTS, IEEE)
         m = m_new
 
-    out = acc / row_sum[:, None]
-    tl.store(
-        OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-        out.to(OUT.dtype.element_ty),
-        mask=(offs_m < seq_q)[:, None] & (offs_d < head_dim)[None, :],
-    )
-    tl.store(LSE + bh * seq_q + offs_m, m + tl.log2(row_sum), mask=offs_m < seq_q)
+    _store_rows(OUT + bh * seq_q * head_dim, acc / row_sum[:, None], rows, seq_q, head_dim, D_PAD)
+    tl.store(LSE + bh * seq_q + rows, m + tl.log2(row_sum), mask=rows < seq_q)
 
 
 @triton.jit
@@ -149,6 +166,19 @@ def _probabilities(q, k, lse, rows, cols, offset, seq_q, seq_k, scale_log2,
     if CAUSAL:
         visible = visible & (rows[:, None] + offset >= cols[None, :])
     return tl.where(visible, p, 0.0)
+
+
+@triton.jit
+def _backward_rows(
+    q_base, do_base, LSE, DELTA, bh, rows, stride_qs, stride_dos, seq_q, head_dim, D_PAD: tl.constexpr
+):
+    """What the backward reads of rows `rows` of head `bh` (of the batch × heads): Q and dO (at `q_base` and
+    `do_base`), L and D; zeros past seq_q."""
+    q = _load_rows(q_base, rows, stride_qs, seq_q, head_dim, D_PAD)
+    do = _load_rows(do_base, rows, stride_dos, seq_q, head_dim, D_PAD)
+    lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    return q, do, lse, delta
 
 
 @triton.jit
@@ -166,11 +196,9 @@ def _backward_kv_kernel(
     """dK and dV of one block of keys of one key/value head, summed over its group's query heads."""
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
     b, kv = bkv // kv_heads, bkv % kv_heads
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    k = _load_rows(K + b * stride_kb + kv * stride_kh, offs_n, stride_ks, seq_k, offs_d, head_dim)
-    v = _load_rows(V + b * stride_vb + kv * stride_vh, offs_n, stride_vs, seq_k, offs_d, head_dim)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + b * stride_kb + kv * stride_kh, cols, stride_ks, seq_k, head_dim, D_PAD)
+    v = _load_rows(V + b * stride_vb + kv * stride_vh, cols, stride_vs, seq_k, head_dim, D_PAD)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
@@ -180,27 +208,24 @@ def _backward_kv_kernel(
         lo = tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
     for g in range(GROUP):
         h = kv * GROUP + g
+        bh = b * heads + h
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        row_base = (b * heads + h) * seq_q
         for start_m in range(lo, seq_q, BLOCK_M):
-            rows = start_m + offs_m
-            q = _load_rows(q_base, rows, stride_qs, seq_q, offs_d, head_dim)
-            do = _load_rows(do_base, rows, stride_dos, seq_q, offs_d, head_dim)
-            lse = tl.load(LSE + row_base + rows, mask=rows < seq_q, other=0.0)
-            delta = tl.load(DELTA + row_base + rows, mask=rows < seq_q, other=0.0)
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q, do, lse, delta = _backward_rows(
+                q_base, do_base, LSE, DELTA, bh, rows, stride_qs, stride_dos, seq_q, head_dim, D_PAD
+            )
             p = _probabilities(
-                q, k, lse, rows, offs_n, offset, seq_q, seq_k, scale_log2, CAUSAL, FP32_DOTS, IEEE
+                q, k, lse, rows, cols, offset, seq_q, seq_k, scale_log2, CAUSAL, FP32_DOTS, IEEE
             )
             dv += _dot(tl.trans(p.to(do.dtype)), do, FP32_DOTS, IEEE)
             dp = _dot(do, tl.trans(v), FP32_DOTS, IEEE)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(ds.to(q.dtype)), q, FP32_DOTS, IEEE)
 
-    out = bkv * seq_k * head_dim + offs_n[:, None] * head_dim + offs_d[None, :]  # dK, dV: contiguous
-    kv_ok = (offs_n < seq_k)[:, None] & (offs_d < head_dim)[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
+    _store_rows(DK + bkv * seq_k * head_dim, dk * scale, cols, seq_k, head_dim, D_PAD)
+    _store_rows(DV + bkv * seq_k * head_dim, dv, cols, seq_k, head_dim, D_PAD)
 
 
 @triton.jit
@@ -216,36 +241,27 @@ def _backward_q_kernel(
     FP32_DOTS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dQ of one block of queries of one head, over the keys it sees."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    kv = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qs, seq_q, offs_d, head_dim)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, stride_dos, seq_q, offs_d, head_dim)
-    lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
-    delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    pid_m, rows, bh, b, h, kv = _query_program(heads, GROUP, BLOCK_M)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    q, do, lse, delta = _backward_rows(
+        q_base, do_base, LSE, DELTA, bh, rows, stride_qs, stride_dos, seq_q, head_dim, D_PAD
+    )
     k_base = K + b * stride_kb + kv * stride_kh
     v_base = V + b * stride_vb + kv * stride_vh
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
     offset = seq_k - seq_q
-    hi = seq_k
-    if CAUSAL:
-        hi = tl.minimum(seq_k, offset + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_rows(k_base, cols, stride_ks, seq_k, offs_d, head_dim)
-        v = _load_rows(v_base, cols, stride_vs, seq_k, offs_d, head_dim)
+    for start_n in range(0, _keys_seen(pid_m, offset, seq_k, CAUSAL, BLOCK_M), BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, stride_ks, seq_k, head_dim, D_PAD)
+        v = _load_rows(v_base, cols, stride_vs, seq_k, head_dim, D_PAD)
         p = _probabilities(q, k, lse, rows, cols, offset, seq_q, seq_k, scale_log2, CAUSAL, FP32_DOTS, IEEE)
         dp = _dot(do, tl.trans(v), FP32_DOTS, IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, FP32_DOTS, IEEE)
 
-    out = bh * seq_q * head_dim + rows[:, None] * head_dim + offs_d[None, :]  # dQ: contiguous
-    q_ok = (rows < seq_q)[:, None] & (offs_d < head_dim)[None, :]
-    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
+    _store_rows(DQ + bh * seq_q * head_dim, dq * scale, rows, seq_q, head_dim, D_PAD)
 
 
 def _launch_settings(head_dim: int, dtype: torch.dtype) -> dict[str, int | bool]:
@@ -282,7 +298,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> 
     grid = (triton.cdiv(seq_q, settings["BLOCK_M"]), batch * heads)
     _forward_kernel[grid](
         q, k, v, out, lse,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        *_strides(q), *_strides(k), *_strides(v),
         heads, seq_q, seq_k, head_dim, scale * LOG2_E,
         GROUP=heads // k.shape[1], CAUSAL=causal, **settings,
     )  # fmt: skip
