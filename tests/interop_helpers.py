@@ -13,8 +13,8 @@ from helpers import fixture_path
 from scratchlm import ModelConfig, Tokenizer, TransformerLM, train_bpe
 from scratchlm.cli import main
 from scratchlm.run import RunDirectory
+from scratchlm.run.checkpoint import save_checkpoint
 from scratchlm.tokenizer import END_OF_TEXT
-from scratchlm.training.checkpoint import save_checkpoint
 from scratchlm.training.config import OptimizerConfig
 from scratchlm.training.optim import build_optimizer
 

@@ -3,6 +3,7 @@ budget, the decision kept across a resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 
@@ -12,9 +13,9 @@ from test_trainer import assert_same_state, final_state, records, small_config, 
 
 from scratchlm.cli import main
 from scratchlm.run import StopReason
-from scratchlm.training import trainer
+from scratchlm.run.checkpoint import read_checkpoint
+from scratchlm.training import budget, trainer
 from scratchlm.training.budget import BUDGET_SHARE, CALIBRATION_STEPS, MEASURE_FROM, fit_steps
-from scratchlm.training.checkpoint import read_checkpoint
 from scratchlm.training.schedule import cosine_lr_schedule, wsd_lr_schedule
 from scratchlm.training.trainer import train
 
@@ -142,6 +143,35 @@ def test_the_budget_stays_a_hard_limit(tmp_path, monkeypatch):
     assert summary.stopped is StopReason.TIME_BUDGET and summary.steps < expected_total(0.5)
     assert 60 < summary.wall_time_s <= 62  # stopped by the first step past the budget
     assert (tmp_path / "run" / "checkpoints" / f"step_{summary.steps:08d}.pt").exists()
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_periodic_evaluations_are_planned_into_the_budget(tmp_path, monkeypatch, planned):
+    """Validation every 10 steps, 4 batches of the training batch's size each: on the fake clock an
+    estimate takes 4 forward passes, 4/3 of a step (a forward pass being a third of a step's forward and
+    backward). The plan counts their share, and the run ends inside the budget at its minimum rate; planned
+    without it (`planned=False`), the same run overruns the budget before its decay ends."""
+    clock = FakeClock(0.5)
+    clock.install(monkeypatch)
+    validation_loss = trainer._Run._validation_loss
+
+    def an_estimate_that_takes_time(run):
+        clock.now += 4 * 0.5 / 3
+        return validation_loss(run)
+
+    monkeypatch.setattr(trainer._Run, "_validation_loss", an_estimate_that_takes_time)
+    if not planned:
+        monkeypatch.setattr(budget, "evaluation_share", lambda config: 0.0)
+    config = budget_config(tmp_path, "run", kind="cosine")
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, interval=10, iters=4))
+    summary = train(config)
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "run", "lr")}
+    if planned:
+        assert budget.evaluation_share(config) == pytest.approx(4 * 4 / (3 * 4 * 10))
+        assert summary.stopped is StopReason.FINISHED and summary.wall_time_s <= BUDGET
+        assert lrs[summary.steps] == pytest.approx(MIN_LR)
+    else:
+        assert summary.stopped is StopReason.TIME_BUDGET and lrs[summary.steps] > MIN_LR * 1.01
 
 
 def test_fit_steps_by_hand():

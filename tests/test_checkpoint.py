@@ -11,7 +11,7 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import RunDirectory
-from scratchlm.training.checkpoint import read_checkpoint
+from scratchlm.run.checkpoint import read_checkpoint
 
 CONFIG = ModelConfig(vocab_size=64, context_length=8, d_model=16, num_layers=2, num_heads=2)
 SPEC_KEYS = {

@@ -17,8 +17,8 @@ from test_trainer import assert_same_state, final_state, small_config
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import CHECKSUM_KEY, read_checkpoint, save_checkpoint
 from scratchlm.run.load import load_trained
-from scratchlm.training.checkpoint import CHECKSUM_KEY, read_checkpoint, save_checkpoint
 from scratchlm.training.optim import AdamW
 from scratchlm.training.trainer import train
 

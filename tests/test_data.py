@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from scratchlm import get_batch, load_tokens
+from scratchlm.data import tokens as data
 from scratchlm.errors import ScratchlmError
-from scratchlm.training import data
 
 
 def test_targets_are_the_inputs_shifted_by_one():

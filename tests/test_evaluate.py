@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.evaluation import evaluate
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.training.evaluate import evaluate
 
 VOCAB, CONTEXT = 53, 16
 
@@ -85,7 +85,7 @@ def test_cli_eval_prints_the_whole_file_loss(
     model: TransformerLM, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     from scratchlm.cli import main
-    from scratchlm.training.checkpoint import save_checkpoint
+    from scratchlm.run.checkpoint import save_checkpoint
     from scratchlm.training.optim import AdamW
 
     save_checkpoint(

@@ -166,9 +166,9 @@ def test_bad_input_is_a_user_error(prompt: list, options: dict, message: str) ->
 @pytest.fixture
 def trained_files(tmp_path):
     """A tokenizer directory and a checkpoint of a random model that records it, as training would."""
+    from scratchlm.run.checkpoint import save_checkpoint
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train import train_bpe
-    from scratchlm.training.checkpoint import save_checkpoint
     from scratchlm.training.optim import AdamW
 
     text = tmp_path / "text.txt"
@@ -256,9 +256,9 @@ def test_a_tokenizer_the_model_was_not_trained_with_is_refused(trained_files, tm
     would decode every id to something, is refused rather than printing replacement characters."""
     from scratchlm.cli import main
     from scratchlm.run import load_trained
+    from scratchlm.run.checkpoint import save_checkpoint
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train import train_bpe
-    from scratchlm.training.checkpoint import save_checkpoint
     from scratchlm.training.optim import AdamW
 
     model, tokenizer, _ = trained_files

@@ -8,6 +8,7 @@ run with a budget decides its length while it trains:
     steps 1 .. MEASURE_FROM         start-up: compilation, the allocator filling its pools (not measured)
     steps MEASURE_FROM .. CALIBRATION_STEPS    measured: seconds per step, evaluations and checkpoints excluded
     at step CALIBRATION_STEPS       total = CALIBRATION_STEPS + the steps that fit in the rest of the budget,
+                                    each with its share of the periodic evaluations (`evaluation_share`),
                                     at most the config's own length (max_steps / max_tokens, when set)
     then                            the schedule sized to `total` (WSD: warm-up, stable, decay; cosine: its
                                     length), ending at its minimum rate on the last step, inside the budget
@@ -37,12 +38,26 @@ from scratchlm.training.schedule import Schedule, build_schedule
 
 CALIBRATION_STEPS = 20  # the step where a budgeted run decides its length
 MEASURE_FROM = 5  # steps before it are start-up, not measured
-# The share of the remaining budget planned for training steps: the rest is for what the measured rate leaves
-# out (the periodic validation estimates and checkpoints, the final ones, a machine a little slower than it
-# was while measured).
+# The share of the remaining budget planned for training steps and their periodic evaluations: the rest is for
+# what the plan leaves out (checkpoints, the final evaluation, a machine a little slower than it was while
+# measured).
 BUDGET_SHARE = 0.92
+# A forward pass costs about a third of a training step's forward and backward (the backward computes two
+# products for each of the forward's: the gradients of the inputs and of the weights).
+FORWARD_SHARE = 1 / 3
+
 # The length of a schedule before a budgeted run without max_steps or max_tokens has decided its own.
 OPEN_ENDED = 2**62
+
+
+def evaluation_share(config: TrainConfig) -> float:
+    """The time of the periodic validation estimates, as a fraction of the training steps' time: each
+    estimate runs `eval.iters` forward passes of `eval.batch_size` sequences every `eval.interval` steps of
+    `training.batch_size` sequences forward and backward. (The tiny config: 10 × 16 / (3 × 16 × 50) = 7 %.)"""
+    if config.eval.interval <= 0:
+        return 0.0
+    sequences = config.eval.iters * (config.eval.batch_size or config.training.batch_size)
+    return FORWARD_SHARE * sequences / (config.training.batch_size * config.eval.interval)
 
 
 def fit_steps(done: int, elapsed_s: float, budget_s: float, step_s: float) -> int:
@@ -86,6 +101,7 @@ class TimeBudget:
         self.planned = config.total_steps  # 0: as many as fit
         self.schedule_config = config.schedule
         self.lr, self.min_lr = config.optimizer.lr, config.optimizer.min_lr
+        self.evaluation_share = evaluation_share(config)
         self.decision = decision
         self._window: tuple[int, float] | None = None  # (step, training seconds) where measuring began
         self.schedule = self._schedule()
@@ -126,7 +142,7 @@ class TimeBudget:
             return None
         first, start_s = self._window
         step_s = (training_s - start_s) / (step - first)
-        total = fit_steps(step, elapsed_s, self.seconds, step_s)
+        total = fit_steps(step, elapsed_s, self.seconds, step_s * (1 + self.evaluation_share))
         if self.planned:
             total = min(total, self.planned)
         self.decision = BudgetDecision(step, step_s, elapsed_s, total)
