@@ -21,6 +21,7 @@ hundreds of bfloat16 values loses most of its digits.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Self
 
@@ -53,6 +54,12 @@ class HandoutSignature(type):
         if not hasattr(cls, "from_handout"):
             raise TypeError(f"{cls.__name__} takes a ModelConfig")
         return cls.from_handout(*args, **kwargs)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """What `inspect.signature(Part)` and `help` show: the constructor's, not this `__call__`'s."""
+        signature = inspect.signature(cls.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 class ConfigModule(nn.Module, metaclass=HandoutSignature):
