@@ -174,6 +174,23 @@ def test_periodic_evaluations_are_planned_into_the_budget(tmp_path, monkeypatch,
         assert summary.stopped is StopReason.TIME_BUDGET and lrs[summary.steps] > MIN_LR * 1.01
 
 
+def test_a_run_measured_while_the_machine_was_busy_is_lengthened(tmp_path, monkeypatch):
+    """0.6 s a step while measured, 0.5 s after: the decision at step 20 (12 s spent) plans
+    20 + int(0.92 × 48 s / 0.6 s) = 93 steps. A fifth of the run later (20 steps, at step 40, 22 s spent) the
+    rate since shows that 40 + int(0.92 × 38 s / 0.5 s) = 109 fit, over 5 % more: the run is lengthened, its
+    decay not begun (it starts at step 47 of 93), and ends at 56.5 s at the minimum rate."""
+    slower_after_the_decision(monkeypatch, 0.6, extra_s=-0.1)
+    summary = train(budget_config(tmp_path, "run"))
+    assert summary.stopped is StopReason.FINISHED and summary.steps == 109
+    assert summary.wall_time_s == pytest.approx(56.5)
+    first, revised = (r["time_budget"] for r in records(tmp_path / "run", "time_budget"))
+    assert (first["total_steps"], revised["step"], revised["total_steps"]) == (93, 40, 109)
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "run", "lr")}
+    assert lrs[109] == pytest.approx(MIN_LR)
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(wsd_lr_schedule(step, LR, MIN_LR, CALIBRATION_STEPS, 109, 0.5))
+
+
 def test_fit_steps_by_hand():
     assert fit_steps(20, 10.0, 60.0, 0.5) == 20 + 92
     assert fit_steps(20, 70.0, 60.0, 0.5) == 20  # the budget is spent: no more steps

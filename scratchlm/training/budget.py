@@ -19,10 +19,12 @@ fast recipe warms up over at least `CALIBRATION_STEPS` steps; a shorter warm-up 
 steps then run at the planned schedule's rates.
 
 While the schedule is still at its peak rate (a WSD's stable phase), the decision is revised when the steps
-since it, evaluations and checkpoints included, show that the run would overrun (`TimeBudget.revise`): the
-run is shortened so that its decay still ends inside the budget. The decision (`BudgetDecision`, the latest
-one) is recorded in every checkpoint saved after it and in the metrics log, so a resumed run continues the
-same schedule bit for bit, whatever the speed of the machine it resumes on. The budget also stays a hard
+since it, evaluations and checkpoints included, show that the run would overrun, or that it has a good deal
+of time to spare (`TimeBudget.revise`): the run is shortened or lengthened so that its decay ends inside the
+budget, and a measurement disturbed by other work on the machine does not cut the run short for good. The
+decision (`BudgetDecision`, the latest one) is recorded in every checkpoint saved after it and in the metrics
+log, so a resumed run continues the same schedule bit for bit, whatever the speed of the machine it resumes
+on. The budget also stays a hard
 limit: the run stops when it is spent, whatever the schedule says.
 """
 
@@ -46,6 +48,8 @@ BUDGET_SHARE = 0.92
 # products for each of the forward's: the gradients of the inputs and of the weights).
 FORWARD_SHARE = 1 / 3
 
+# A run is lengthened when this many times its steps fit (a smaller gain is not worth a new schedule).
+REVISE_GAIN = 1.05
 # The length of a schedule before a budgeted run without max_steps or max_tokens has decided its own.
 OPEN_ENDED = 2**62
 
@@ -157,11 +161,13 @@ class TimeBudget:
         return self.decision
 
     def revise(self, step: int, elapsed_s: float) -> BudgetDecision | None:
-        """After the decision, shorten the run when the steps since it, evaluations and checkpoints included,
-        show that it would overrun the budget (a machine that got busier, evaluations that cost more than the
-        margin). Only while the schedule is still at its peak rate, so that the steps taken had the same rate
-        under either length (a WSD's stable phase; a cosine decays from its warm-up on, and keeps its length),
-        and never so short that the decay would have to start before this step."""
+        """After the decision, fit the run's length again to the rate of the steps since it, evaluations and
+        checkpoints included: shorter when the run would overrun the budget (a machine that got busier,
+        evaluations that cost more than the margin), longer when `REVISE_GAIN` more steps fit (the decision
+        measured a moment when other work slowed the machine down). Only while the schedule is still at its
+        peak rate, so that the steps taken had the same rate under either length (a WSD's stable phase; a
+        cosine decays from its warm-up on, and keeps its length), never beyond the config's own length, and
+        never so short that the decay would have to start before this step."""
         decision = self.decision
         # Over a fifth of the run at least, so that a one-off cost (the first evaluation compiles its graph)
         # is spread as it will be, not read as the rate of every step to come.
@@ -171,12 +177,13 @@ class TimeBudget:
         if self.schedule(step + 1) < self.lr:
             return None
         step_s = (elapsed_s - decision.elapsed_s) / (step - decision.step)
-        if elapsed_s + (decision.total_steps - step) * step_s <= self.seconds:
-            return None
         fraction = self.schedule_config.decay_fraction if self.schedule_config.kind == "wsd" else 1.0
         earliest = math.ceil(step / (1 - fraction)) if fraction < 1 else step + 1
         total = max(fit_steps(step, elapsed_s, self.seconds, step_s), earliest)
-        if total >= decision.total_steps:
+        if self.planned:
+            total = min(total, self.planned)
+        overruns = elapsed_s + (decision.total_steps - step) * step_s > self.seconds
+        if not (overruns and total < decision.total_steps) and total < decision.total_steps * REVISE_GAIN:
             return None
         self.decision = BudgetDecision(step, step_s, elapsed_s, total)
         self.schedule = self._schedule()
