@@ -35,8 +35,6 @@ from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.kv_cache import LayerKVCache
 
 Device = torch.device | str | None
-
-
 DType = torch.dtype | None
 
 
