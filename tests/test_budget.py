@@ -15,7 +15,14 @@ from scratchlm.cli import main
 from scratchlm.run import StopReason
 from scratchlm.run.checkpoint import read_checkpoint
 from scratchlm.training import budget, trainer
-from scratchlm.training.budget import BUDGET_SHARE, CALIBRATION_STEPS, MEASURE_FROM, fit_steps
+from scratchlm.training.budget import (
+    BUDGET_SHARE,
+    CALIBRATION_STEPS,
+    MEASURE_FROM,
+    BudgetDecision,
+    TimeBudget,
+    fit_steps,
+)
 from scratchlm.training.schedule import cosine_lr_schedule, wsd_lr_schedule
 from scratchlm.training.trainer import train
 
@@ -189,6 +196,19 @@ def test_a_run_measured_while_the_machine_was_busy_is_lengthened(tmp_path, monke
     assert lrs[109] == pytest.approx(MIN_LR)
     for step, lr in lrs.items():
         assert lr == pytest.approx(wsd_lr_schedule(step, LR, MIN_LR, CALIBRATION_STEPS, 109, 0.5))
+
+
+def test_a_lengthened_run_keeps_the_configs_own_length_as_its_limit(tmp_path):
+    """Revised with time to spare, a run with `max_steps` grows to that length and no further; a run with no
+    time to spare, or already decaying, is left as it is."""
+    config = budget_config(tmp_path, "run")
+    capped = dataclasses.replace(config, training=dataclasses.replace(config.training, max_steps=100))
+    budget_ = TimeBudget(capped, BudgetDecision(step=20, step_s=0.6, elapsed_s=12.0, total_steps=90))
+    assert budget_.revise(40, 22.0).total_steps == 100  # 109 would fit at 0.5 s a step
+    steady = TimeBudget(config, BudgetDecision(step=20, step_s=0.5, elapsed_s=10.0, total_steps=112))
+    assert steady.revise(43, 21.5) is None  # the rate the decision measured: nothing to revise
+    decaying = TimeBudget(config, BudgetDecision(step=20, step_s=0.6, elapsed_s=12.0, total_steps=60))
+    assert decaying.revise(40, 22.0) is None  # its decay began at step 30
 
 
 def test_fit_steps_by_hand():
