@@ -25,7 +25,7 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.data.prepare import PreparedData
-from scratchlm.device import apply_threads, autocast, plan, resolve_device
+from scratchlm.device import apply_threads, plan, resolve_device
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.quickstart import FULL, RECIPES, train_config
@@ -50,11 +50,13 @@ class Trainer:
         self.optimizer = build_optimizer(config.optimizer, self.model, precision=precision)
         batch, context = config.training.batch_size, config.model.context_length
         self.ids = torch.randint(0, config.model.vocab_size, (batch, context + 1), device=device)
+        # Its own plan for `precision`, at the thread count main applied (the profile measured with it).
+        self.plan = plan(device, precision, compile_, threads=torch.get_num_threads())
         self.precision, self.device = precision, device
         self.step()  # warm-up (and compilation)
 
     def step(self) -> None:
-        with autocast(self.device, self.precision):
+        with self.plan.autocast():
             loss = cross_entropy(self.forward(self.ids[:, :-1]), self.ids[:, 1:])
         loss.backward()
         clip_grad_norm(self.model.parameters(), 1.0)

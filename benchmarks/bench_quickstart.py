@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scratchlm.allocator import keep_freed_memory
-from scratchlm.device import autocast, device_profile, resolve_precision
+from scratchlm.device import Plan, plan
 from scratchlm.evaluation import evaluate
 from scratchlm.model.config import ModelConfig
 from scratchlm.quickstart import (
@@ -46,9 +46,10 @@ from scratchlm.training.config import TrainConfig
 from scratchlm.training.schedule import cosine_lr_schedule
 
 
-def resolved_precision(requested: str) -> str:
-    """What `requested` ("auto", "fp32", "bf16") means on this CPU (scratchlm.device.choices)."""
-    return resolve_precision(requested, device_profile(torch.device("cpu")))[0].value
+def cpu_plan(requested: str) -> Plan:
+    """The plan for `requested` ("auto", "fp32", "bf16") on this CPU, at the thread count this process runs
+    with (scratchlm.device.planning)."""
+    return plan(torch.device("cpu"), requested, threads=torch.get_num_threads())
 
 
 class Rotary(nn.Module):
@@ -132,14 +133,14 @@ def train_reference(config: TrainConfig, seconds: float, fit_budget: bool) -> tu
     rng = np.random.default_rng(t.seed)
     context, tokens_per_step = c.context_length, t.batch_size * c.context_length
     skip = config.logging.log_interval  # steps left out of the speed measurement, as in the quickstart
-    precision = resolved_precision(t.precision)  # what scratchlm trains in, for both
+    choices = cpu_plan(t.precision)  # what scratchlm trains in, for both
     steps, start = 0, time.perf_counter()
     while steps < total[0] and time.perf_counter() - start < seconds:
         if steps == skip:
             steady_start = time.perf_counter()
         starts = rng.integers(0, len(data) - context, size=t.batch_size)
         windows = torch.from_numpy(data[starts[:, None] + np.arange(context + 1)].astype(np.int64))
-        with autocast(torch.device("cpu"), precision):
+        with choices.autocast():
             logits = compiled(windows[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
@@ -248,7 +249,7 @@ def main() -> None:
     )
     print(
         f"{mode}, {threads} thread(s) each, precision {config.training.precision} "
-        f"({resolved_precision(config.training.precision)}), compile {config.training.compile}"
+        f"({cpu_plan(config.training.precision).precision.value}), compile {config.training.compile}"
     )
     print("| trainer | steps | tokens/s (with compilation) | validation loss (nats/token, whole file) |")
     print("| --- | ---: | ---: | ---: |")

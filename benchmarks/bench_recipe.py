@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from scratchlm.allocator import keep_freed_memory
-from scratchlm.device import autocast, device_profile, resolve_precision
+from scratchlm.device import plan
 from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.quickstart import FULL, RECIPES, SMALL, build_data, train_within_budget
@@ -141,7 +141,9 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
     rng = np.random.default_rng(0)
     trainers = {}
     names = ["spec", "fast"]
-    precision = resolve_precision("auto", device_profile(torch.device("cpu")))[0].value  # as the runs train
+    # "auto" as the runs train, at the thread count this process runs with.
+    choices = plan(torch.device("cpu"), "auto", threads=torch.get_num_threads())
+    precision = choices.precision.value
     if args.ablations:  # each piece's own cost: the fast recipe without it
         for name, changes in ABLATIONS.items():
             RECIPES[name] = merged(RECIPES["fast"], changes)
@@ -157,7 +159,7 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
         model, compiled, optimizer = trainers[name]
         starts = sample_starts(len(tokens), size.batch_size, size.model["context_length"], rng)
         inputs, targets = gather_batch(tokens, starts, size.model["context_length"], torch.device("cpu"))
-        with autocast(torch.device("cpu"), precision):
+        with choices.autocast():
             loss = cross_entropy(compiled(inputs), targets)
         loss.backward()
         clip_grad_norm(model.parameters(), 1.0)

@@ -23,7 +23,7 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.data.prepare import PreparedData
-from scratchlm.device import autocast, device_profile, resolve_precision, usable_cores
+from scratchlm.device import plan, usable_cores
 from scratchlm.device.choices import choose_threads
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
@@ -37,7 +37,8 @@ def tokens_per_s(threads: int, seconds: float) -> float:
     torch.set_num_threads(threads)
     data = PreparedData(Path("unused"), Path("unused"), Path("unused"))
     config = train_config(FULL, data, Path("unused"), 0.0, "cpu", 1, "fast")
-    precision = resolve_precision("auto", device_profile(torch.device("cpu")))[0].value
+    choices = plan(torch.device("cpu"), "auto", threads=threads)  # "auto" at the threads that run
+    precision = choices.precision.value
     torch.manual_seed(0)
     model = TransformerLM.from_config(config.model)
     optimizer = build_optimizer(config.optimizer, model, precision=precision)
@@ -47,7 +48,7 @@ def tokens_per_s(threads: int, seconds: float) -> float:
     start = time.perf_counter()
     while len(times) < 4 or time.perf_counter() - start < seconds:
         begin = time.perf_counter()
-        with autocast(torch.device("cpu"), precision):
+        with choices.autocast():
             loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()
         clip_grad_norm(model.parameters(), 1.0)

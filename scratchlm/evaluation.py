@@ -11,6 +11,9 @@ so every token after the first is predicted exactly once, from the tokens before
 windows are consecutive, a batch of them is one contiguous slice of the file reshaped to (batch, C) — no copy
 per window. The loss is the mean over all N - 1 predictions (windows weighted by their length) and the
 perplexity is `exp(loss)`.
+
+The model computes in the dtype its weights are held in (`Plan.for_inference` puts them in the resolved
+precision's); the loss itself is summed in float32 whatever the logits' dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import torch
 from einops import rearrange
 
 from scratchlm.console import progress
-from scratchlm.device import autocast
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
@@ -44,12 +46,10 @@ def evaluate(
     batch_size: int = 32,
     context_length: int | None = None,
     show_progress: bool = False,
-    precision: str = "fp32",
 ) -> EvalResult:
     """Loss and perplexity of `model` over all of `tokens` (a 1-D array of ids, e.g. a memory-mapped `.npy`).
 
     `context_length` defaults to the model's; a smaller one evaluates with less context per prediction.
-    `precision` "bf16" runs the matmuls under bf16 autocast (a resolved precision: `scratchlm.device.choices`).
     """
     context = model.config.context_length if context_length is None else context_length
     if not 1 <= context <= model.config.context_length:
@@ -76,9 +76,7 @@ def evaluate(
             )
         inputs = rearrange(chunk[:-1], "(batch seq) -> batch seq", seq=length)
         targets = rearrange(chunk[1:], "(batch seq) -> batch seq", seq=length)
-        with autocast(device, precision):
-            logits = model(inputs)
-        return cross_entropy(logits, targets).item() * targets.numel()
+        return cross_entropy(model(inputs), targets).item() * targets.numel()
 
     # Start positions of each batch of full windows, then the shorter last window if the file has a remainder.
     batch_starts = range(0, full_windows, batch_size)

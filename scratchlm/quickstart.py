@@ -42,7 +42,7 @@ from rich.text import Text
 from scratchlm.console import console, format_seconds
 from scratchlm.data.corpus import build_corpus, build_text_corpus
 from scratchlm.data.prepare import PreparedData, prepare_data
-from scratchlm.device import autocast, device_profile, resolve_device, resolve_precision
+from scratchlm.device import plan, resolve_device
 from scratchlm.errors import ScratchlmError
 from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
@@ -226,9 +226,9 @@ def quickstart(
     _stage(4, "validation loss on the whole validation file")
     trained = load_trained(run_dir, device=device, tokenizer=data.tokenizer)
     model, tokenizer = trained.model, trained.tokenizer
-    # Evaluation and samples in the precision training resolved "auto" to on this device.
-    precision = resolve_precision("auto", device_profile(torch.device(device)))[0].value
-    result = evaluate(model, valid_ids, show_progress=True, precision=precision)
+    # Evaluation and samples in the precision the run recorded (what "auto" resolved to when it trained).
+    plan(torch.device(device), trained.precision or "auto").for_inference(model)
+    result = evaluate(model, valid_ids, show_progress=True)
     entropy = unigram_entropy(valid_ids)
     console.print(
         f"loss {result.loss:.4f} nats/token (perplexity {result.perplexity:.1f}); unigram entropy {entropy:.4f}"
@@ -238,16 +238,15 @@ def quickstart(
     eos = tokenizer.eos_id
     generator = torch.Generator(device=device).manual_seed(0)
     for prompt in PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt"):
-        with autocast(torch.device(device), precision):
-            new_ids = generate(
-                model,
-                tokenizer.encode(prompt),
-                size.sample_tokens,
-                temperature=0.8,
-                top_p=0.95,
-                eos_id=eos,
-                generator=generator,
-            )
+        new_ids = generate(
+            model,
+            tokenizer.encode(prompt),
+            size.sample_tokens,
+            temperature=0.8,
+            top_p=0.95,
+            eos_id=eos,
+            generator=generator,
+        )
         ended = bool(new_ids) and new_ids[-1] == eos
         console.rule(f"prompt {prompt!r}")
         console.print(prompt + tokenizer.decode(new_ids[:-1] if ended else new_ids), markup=False)

@@ -1,6 +1,7 @@
 """The device's profile and what scratchlm chooses on it: precision "auto" with the device's capability and
-measured rates mocked both ways (CPU with and without native bf16, CUDA with and without, MPS), the warning
-for an explicit slow bf16, Muon's iteration dtype, the thread count under a restricted affinity mask and a
+measured rates mocked both ways (CPU with and without native bf16, CUDA with and without, with fast fp16 only,
+MPS), the warning for an explicit slow bf16 or fp16, the plan's dtype, autocast, fused loss and MFU peak, the
+profile override for tests, Muon's iteration dtype, the thread count under a restricted affinity mask and a
 cgroup quota, the doctor's report, and that training runs with what the doctor says."""
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from test_trainer import records, small_config
 
 from scratchlm.cli import main
 from scratchlm.device import choices as choices_module
+from scratchlm.device import planning as plan_module
 from scratchlm.device import profile as profile_module
-from scratchlm.device.choices import choose_threads, plan, resolve_precision
+from scratchlm.device.choices import PEAK_FLOPS, choose_threads, resolve_precision
+from scratchlm.device.planning import plan
 from scratchlm.device.profile import DeviceProfile, cgroup_cpu_limit, device_profile
+from scratchlm.errors import ScratchlmError
+from scratchlm.precisions import PRECISIONS
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.optim import build_optimizer
 from scratchlm.training.trainer import train
@@ -55,13 +60,35 @@ VOLTA = DeviceProfile(
     matmul_gflops={"fp32": 14_000.0, "bf16": 9_000.0, "fp16": 100_000.0},
     compute_capability="7.0",
 )
+PASCAL = DeviceProfile(  # consumer Pascal: fp16 runs at 1/64 of fp32
+    type="cuda",
+    name="NVIDIA GeForce GTX 1080",
+    native_bf16=False,
+    matmul_gflops={"fp32": 8_000.0, "bf16": 500.0, "fp16": 130.0},
+    compute_capability="6.1",
+)
+FAST_FP16_CPU = DeviceProfile(  # a CPU that multiplies fp16 fast (AVX-512-FP16): auto still never picks it
+    type="cpu",
+    name="Intel Xeon (AVX-512-FP16)",
+    flags=("avx2", "fma", "avx512f", "avx512_fp16"),
+    native_bf16=False,
+    matmul_gflops={"fp32": 170.0, "bf16": 2.0, "fp16": 600.0},
+)
 APPLE = DeviceProfile(type="mps", name="Apple GPU", matmul_gflops={"fp32": 3_000.0, "bf16": 3_500.0})
 
 
 @pytest.mark.parametrize(
     "profile, expected",
-    [(AVX2_CPU, "fp32"), (BF16_CPU, "bf16"), (AMPERE, "bf16"), (VOLTA, "fp32"), (APPLE, "fp32")],
-    ids=["cpu-avx2", "cpu-avx512-bf16", "cuda-bf16", "cuda-no-bf16", "mps"],
+    [
+        (AVX2_CPU, "fp32"),
+        (BF16_CPU, "bf16"),
+        (FAST_FP16_CPU, "fp32"),
+        (AMPERE, "bf16"),
+        (VOLTA, "fp16"),
+        (PASCAL, "fp32"),
+        (APPLE, "fp32"),
+    ],
+    ids=["cpu-avx2", "cpu-avx512-bf16", "cpu-fast-fp16", "cuda-bf16", "cuda-fp16", "cuda-slow-fp16", "mps"],
 )
 def test_auto_precision_follows_the_device(profile, expected):
     choice, warnings = resolve_precision("auto", profile)
@@ -88,6 +115,81 @@ def test_explicit_precisions_are_obeyed_and_a_slow_bf16_is_named_with_both_rates
     assert resolve_precision("fp32", BF16_CPU)[0].value == "fp32"
 
 
+def test_an_explicit_fp16_is_obeyed_everywhere_with_a_warning_where_it_is_slow():
+    choice, [warning] = resolve_precision("fp16", PASCAL, option="--precision")
+    assert choice.value == "fp16"
+    assert warning.startswith("--precision = fp16") and "62x slower" in warning and "130.0" in warning
+    assert resolve_precision("fp16", VOLTA)[1] == []
+    assert resolve_precision("fp16", FAST_FP16_CPU)[0].value == "fp16"
+
+
+def test_an_unknown_precision_is_refused_naming_the_known_ones():
+    with pytest.raises(ScratchlmError, match="--precision must be one of auto, fp32, bf16, fp16; got 'fp8'"):
+        resolve_precision("fp8", BF16_CPU, option="--precision")
+
+
+@pytest.mark.parametrize("profile", [AVX2_CPU, BF16_CPU, VOLTA, AMPERE], ids=lambda p: p.name)
+@pytest.mark.parametrize("requested", PRECISIONS)
+def test_the_plan_answers_dtype_autocast_and_loss_scaling_from_the_one_precision(
+    monkeypatch, profile, requested
+):
+    monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: profile)
+    device = torch.device("cpu")  # the plan's answers depend on the profile; autocast is built for the CPU
+    choices = plan(device, requested, threads=1)
+    resolved = choices.precision.value
+    assert resolved == resolve_precision(requested, profile)[0].value
+    expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[resolved]
+    assert choices.dtype == expected
+    assert choices.loss_scaling == (resolved == "fp16")
+    with choices.autocast():
+        y = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert y.dtype == expected  # fp32: no autocast, float32 stays float32
+
+
+def test_for_inference_holds_the_weights_in_the_compute_dtype_and_keeps_the_rope_tables_float32(
+    monkeypatch,
+):
+    from scratchlm import TransformerLM
+
+    monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: BF16_CPU)
+    model = TransformerLM.from_handout(50, 16, 32, 2, 4, 64)
+    for requested, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        plan(torch.device("cpu"), requested, threads=1).for_inference(model)
+        assert not model.training
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        assert {b.dtype for b in model.buffers()} == {torch.float32}
+
+
+def test_fused_loss_and_the_mfu_peak_are_the_plans(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: AMPERE)
+    choices = plan(cpu, "auto", threads=1)
+    assert choices.fused_loss.value is False  # auto: on for a CUDA device only
+    assert plan(cpu, "auto", threads=1, fused_loss="on").fused_loss.value is True
+    assert choices.peak_flops.value == PEAK_FLOPS[("A100", "bf16")] and "A100" in choices.peak_flops.reason
+    assert plan(cpu, "fp32", threads=1).peak_flops.value == PEAK_FLOPS[("A100", "fp32")]
+    assert plan(cpu, "auto", threads=1, peak_tflops=100).peak_flops.value == 100e12
+    monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: VOLTA)
+    assert plan(cpu, "auto", threads=1).peak_flops.value == PEAK_FLOPS[("V100", "fp16")]
+    monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: BF16_CPU)
+    assert plan(cpu, "auto", threads=1).peak_flops.value is None  # a CPU has no data sheet: no MFU
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: None)  # never asked for
+
+
+def test_the_profile_override_replaces_the_measurement_for_its_device_type(tmp_path, monkeypatch):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profile": BF16_CPU.to_dict()}))  # as `doctor --json` prints it
+    monkeypatch.setenv("SCRATCHLM_DEVICE_PROFILE", str(path))
+    monkeypatch.setattr(profile_module, "measure", lambda device: pytest.fail("measured"))
+    assert device_profile(torch.device("cpu")) == BF16_CPU
+    assert plan(torch.device("cpu"), "auto", threads=1).precision.value == "bf16"
+    path.write_text(json.dumps(AVX2_CPU.to_dict()))  # as the cache stores it
+    assert plan(torch.device("cpu"), "auto", threads=1).precision.value == "fp32"
+    path.write_text("{not json")
+    with pytest.raises(ScratchlmError, match="SCRATCHLM_DEVICE_PROFILE=.*profile.json: not a readable"):
+        device_profile(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("profile, muon_bf16, expected", [
     (AVX2_CPU, True, torch.float32),
     (BF16_CPU, True, torch.bfloat16),
@@ -111,7 +213,7 @@ def mocked_device(monkeypatch):
     """Make this machine's CPU look like `profile` to every choice."""
 
     def use(profile: DeviceProfile) -> None:
-        monkeypatch.setattr(choices_module, "device_profile", lambda device, refresh=False: profile)
+        monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: profile)
 
     return use
 

@@ -93,7 +93,17 @@ def test_cli_eval_prints_the_whole_file_loss(
     )
     tokens = np.random.default_rng(2).integers(0, VOCAB, size=500).astype(np.uint16)
     np.save(tmp_path / "valid.npy", tokens)
-    argv = ["eval", "--run", str(tmp_path / "run"), "--data", str(tmp_path / "valid.npy"), "--device", "cpu"]
+    argv = [
+        "eval",
+        "--run",
+        str(tmp_path / "run"),
+        "--data",
+        str(tmp_path / "valid.npy"),
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+    ]
     assert main(argv) == 0
     loss, _ = reference_loss(model, tokens, CONTEXT)
     assert capsys.readouterr().out == f"loss {loss:.4f}  perplexity {math.exp(loss):.3f}\n"

@@ -189,7 +189,17 @@ def test_cli_streams_the_same_text_as_generate(trained_files, capsys: pytest.Cap
 
     model, tokenizer, checkpoint = trained_files
     prompt = "Un été"
-    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "40"]
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "40",
+        "--precision",
+        "fp32",
+    ]
     assert main([*argv, "--seed", "3", "--device", "cpu", "--num-samples", "2"]) == 0
     out = capsys.readouterr().out
     generator = torch.Generator().manual_seed(3)

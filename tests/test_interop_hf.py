@@ -113,7 +113,7 @@ def test_import_hf_command_writes_a_run_that_generate_uses(tmp_path, capsys):
     assert trained.tokenizer.fingerprint == tokenizer.fingerprint == trained.tokenizer_fingerprint
     status, out, err = run_cli(
         ["generate", "--run", str(tmp_path / "run"), "--prompt", "The cat", "--temperature", "0",
-         "--max-new-tokens", "8", "--device", "cpu"],
+         "--max-new-tokens", "8", "--device", "cpu", "--precision", "fp32"],
         capsys,
     )  # fmt: skip
     assert status == 0, err

@@ -212,7 +212,7 @@ def recipe_config(tmp_path: Path, run: str, **training) -> TrainConfig:
                 "weight_decay": 0.0,
             },  # fmt: skip
             "schedule": {"kind": "wsd", "warmup_iters": 2, "cosine_cycle_iters": 12, "decay_fraction": 0.5},
-            "training": {"batch_size": 8, "max_steps": 12, "device": "cpu", **training},
+            "training": {"batch_size": 8, "max_steps": 12, "device": "cpu", "precision": "fp32", **training},
             "eval": {"interval": 4, "iters": 2},
             "checkpoint": {"interval": 4, "keep": 2},
             "logging": {"run_dir": str(tmp_path / run), "log_interval": 1},

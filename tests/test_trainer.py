@@ -41,7 +41,7 @@ def small_config(tmp_path: Path, run: str = "run", **sections: dict) -> TrainCon
         "model": {"vocab_size": VOCAB, "context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 4},
         "optimizer": {"lr": 1e-2, "min_lr": 1e-3},
         "schedule": {"warmup_iters": 2, "cosine_cycle_iters": 12},
-        "training": {"batch_size": 8, "max_steps": 12, "device": "cpu"},
+        "training": {"batch_size": 8, "max_steps": 12, "device": "cpu", "precision": "fp32"},
         "eval": {"interval": 4, "iters": 2},
         "checkpoint": {"interval": 4, "keep": 2},
         "logging": {"run_dir": str(tmp_path / run), "log_interval": 1},

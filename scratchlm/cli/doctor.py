@@ -34,11 +34,8 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.training.config import TrainConfig, training_section
 
     # A mistake in the config is reported before torch loads.
-    t = (
-        TrainConfig.load(args.config, args.overrides).training
-        if args.config
-        else training_section(args.overrides)
-    )
+    config = TrainConfig.load(args.config, args.overrides) if args.config else None
+    t = config.training if config is not None else training_section(args.overrides)
 
     from rich.console import Console
     from rich.table import Table
@@ -56,7 +53,8 @@ def run(args: argparse.Namespace) -> None:
     device = resolve_device(t.device, option="training.device")
     if args.refresh:
         device_profile(device, refresh=True)
-    choices = plan(device, t.precision, t.compile, t.threads)
+    peak_tflops = config.logging.peak_tflops if config is not None else 0.0
+    choices = plan(device, t.precision, t.compile, t.threads, t.fused_loss, peak_tflops)
     profile = choices.profile
     compile_ok, compile_note = (None, "not checked") if args.no_compile_check else compile_works(device)
     report = {
@@ -99,6 +97,13 @@ def run(args: argparse.Namespace) -> None:
     if choices.threads.value is not None:
         table.add_row("threads", f"{choices.threads.value} ({choices.threads.reason})")
     table.add_row("compile", f"{'on' if choices.compile.value else 'off'} ({choices.compile.reason})")
+    table.add_row(
+        "fused loss", f"{'on' if choices.fused_loss.value else 'off'} ({choices.fused_loss.reason})"
+    )
+    peak = choices.peak_flops.value
+    table.add_row(
+        "MFU peak", f"{'' if peak is None else f'{peak / 1e12:,.1f} TFLOP/s '}({choices.peak_flops.reason})"
+    )
     Console(highlight=False, soft_wrap=True, markup=False).print(table)  # the report, on stdout
     for warning in choices.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)

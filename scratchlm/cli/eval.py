@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, inference_plan, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, load_for_inference
 
 HELP = "Evaluate a trained model on a whole token file (.npy): loss and perplexity."
 
@@ -27,8 +27,7 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.data.tokens import load_tokens
     from scratchlm.evaluation import evaluate
 
-    model = load_model_source(args).model
-    precision = inference_plan(args, next(model.parameters()).device).precision.value
+    model = load_for_inference(args)[0].model
     tokens = load_tokens(args.data, model.config.vocab_size, 1)
     start = time.perf_counter()
     result = evaluate(
@@ -37,7 +36,6 @@ def run(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         context_length=args.context_length,
         show_progress=True,
-        precision=precision,
     )
     seconds = time.perf_counter() - start
     perplexity = f"{result.perplexity:.3f}" if result.perplexity < 1e6 else f"{result.perplexity:.3e}"

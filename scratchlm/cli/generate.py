@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, inference_plan, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, load_for_inference
 
 HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
 
@@ -47,7 +47,6 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from scratchlm.console import console
-    from scratchlm.device import autocast
     from scratchlm.errors import ScratchlmError
     from scratchlm.generation.generate import generate_stream
     from scratchlm.generation.sampling import check_sampling_options
@@ -59,10 +58,9 @@ def run(args: argparse.Namespace) -> None:
         raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise ScratchlmError(f"--max-new-tokens must be at least 0, got {args.max_new_tokens}")
-    trained = load_model_source(args, require_tokenizer=True)
+    trained, _ = load_for_inference(args, require_tokenizer=True)
     model, tokenizer = trained.model, trained.tokenizer
     device = next(model.parameters()).device
-    precision = inference_plan(args, device).precision.value
     eos_id = tokenizer.eos_id
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
@@ -96,13 +94,12 @@ def run(args: argparse.Namespace) -> None:
             generator=generator,
             use_cache=not args.no_cache,
         )
-        with autocast(device, precision):  # the model runs as the stream is consumed
-            for token in stream:
-                count += 1
-                if token == eos_id:
-                    break
-                sys.stdout.write(decoder.decode(tokenizer.vocab.get(token, replacement)))
-                sys.stdout.flush()
+        for token in stream:
+            count += 1
+            if token == eos_id:
+                break
+            sys.stdout.write(decoder.decode(tokenizer.vocab.get(token, replacement)))
+            sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         sys.stdout.flush()
         seconds = time.perf_counter() - start

@@ -40,25 +40,39 @@ def add_model_source_arguments(
     add_device_argument(parser)
     if not precision:
         return
+    from scratchlm.precisions import PRECISIONS
+
     parser.add_argument(
         "--precision",
-        choices=("auto", "fp32", "bf16"),
+        choices=PRECISIONS,
         default="auto",
-        help="auto: bf16 where the device computes it natively and fast (measured), else fp32 (default auto)",
+        help="auto: bf16 where the device computes it natively and fast (measured), fp16 on a GPU with fast "
+        "fp16 only, else fp32; the weights and KV caches are held in it (default auto)",
     )
 
 
 def inference_plan(args: argparse.Namespace, device: torch.device) -> Plan:
-    """What runs the model on `device` (scratchlm.device.choices): `--precision` resolved, and the CPU
-    thread count applied; a warning is printed for an explicit bf16 that is slow here."""
+    """What runs the model on `device` (scratchlm.device.planning): `--precision` resolved, and the CPU thread
+    count applied; a warning is printed for an explicit precision that is slow here."""
     from scratchlm.console import console
     from scratchlm.device import apply_threads, plan
 
-    choices = plan(device, args.precision)
+    choices = plan(device, args.precision, option="--precision")
     apply_threads(choices.threads.value)
     for warning in choices.warnings:
-        console.print(f"warning: {warning.replace('training.precision', '--precision')}", style="yellow")
+        console.print(f"warning: {warning}", style="yellow", markup=False)
     return choices
+
+
+def load_for_inference(
+    args: argparse.Namespace, require_tokenizer: bool = False
+) -> tuple[TrainedModel, Plan]:
+    """The model `--run` or `--checkpoint` names (`load_model_source`) with its plan, its weights held in the
+    plan's precision (`Plan.for_inference`)."""
+    trained = load_model_source(args, require_tokenizer)
+    choices = inference_plan(args, next(trained.model.parameters()).device)
+    choices.for_inference(trained.model)
+    return trained, choices
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:

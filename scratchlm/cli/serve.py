@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scratchlm.cli.options import add_model_source_arguments, inference_plan, load_model_source
+from scratchlm.cli.options import add_model_source_arguments, load_for_inference
 
 HELP = "Serve a trained model: an OpenAI-compatible completions API and a web page, with batched generation."
 
@@ -51,19 +51,11 @@ def run(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.port <= 65535:
         raise ScratchlmError(f"--port must be in 0..65535, got {args.port}")
-    trained = load_model_source(args, require_tokenizer=True)
+    trained, choices = load_for_inference(args, require_tokenizer=True)
     tokenizer = trained.tokenizer
-    eos_id = tokenizer.eos_id
     name = model_name(args.run, trained.checkpoint)
-    choices = inference_plan(args, next(trained.model.parameters()).device)
     console.print(choices.summary(), markup=False)
-    engine = Engine(
-        trained.model,
-        eos_id,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        precision=choices.precision.value,
-    )
+    engine = Engine(trained.model, tokenizer.eos_id, max_batch=args.max_batch, max_queue=args.max_queue)
     server = build_server(engine, tokenizer, name, args.host, args.port, args.api_key)
     engine.start()
     try:

@@ -1,12 +1,13 @@
-"""What scratchlm does on a device: the precision, thread count and compilation it chooses, and why.
+"""What scratchlm does on a device: the precision, thread count, compilation and loss path it chooses, and why.
 
 Precision. `"auto"` (the default of every config) resolves to bf16 where the device multiplies bf16 at least
-`BF16_GAIN` times faster than fp32 by measurement (`scratchlm.device.profile`): CUDA GPUs with native bf16
-(compute capability 8.0 and later) and CPUs with AVX-512-BF16 or AMX. Everywhere else it is fp32: on CPUs
-without native bf16, where PyTorch emulates bf16 matmuls about 100x slower, on GPUs that emulate it, and on
-Apple's MPS, where support depends on the macOS version (when unsure, fp32). The same resolved precision
-decides every other bf16 choice: Muon's Newton–Schulz iteration (`optimizer.muon_bf16` follows it), evaluation
-and generation. An explicit "bf16" is obeyed, with a one-line warning when the device computes it more than
+`LOW_PRECISION_GAIN` times faster than fp32 by measurement (`scratchlm.device.profile`): CUDA GPUs with native
+bf16 (compute capability 8.0 and later) and CPUs with AVX-512-BF16 or AMX. On a CUDA GPU without fast bf16 (the
+T4, the V100: compute capability 7.x) it resolves to fp16 where fp16 measures that much faster than fp32; fp16
+training then scales its loss (`scratchlm.training.loss_scale`), since fp16 gradients underflow. Everywhere else
+it is fp32: on CPUs without native bf16, where PyTorch emulates bf16 matmuls about 100x slower, on every CPU for
+fp16 (emulated too), and on Apple's MPS, where support depends on the macOS version (when unsure, fp32). An
+explicit "bf16" or "fp16" is obeyed anywhere, with a one-line warning when the device computes it more than
 `SLOW_FACTOR` times slower than fp32.
 
 Threads (CPU). A CPU training step uses one thread per core it may run on (`usable_cores`: the affinity mask,
@@ -18,13 +19,17 @@ with another busy process stalls every step: measured on 2 cores with one other 
 
 Compilation. `training.compile = true` compiles where torch.compile can generate code (on a CPU it needs a C++
 compiler); where it cannot, the run goes on uncompiled and says why.
+
+The fused head and loss (`scratchlm.model.loss`) saves the logits' memory for one more head matmul: worth it
+where memory is short (a GPU); on a CPU the unfused path is the faster. The peak FLOP/s that MFU divides by is
+the configured one, else a known GPU's data-sheet figure at the resolved precision, else unknown (no MFU).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,14 +41,15 @@ from scratchlm.device.profile import (
     busy_cores,
     compiler_found,
     cpu_times,
-    device_profile,
     usable_cores,
 )
+from scratchlm.errors import ScratchlmError
+from scratchlm.precisions import PRECISIONS
 
-PRECISIONS = ("auto", "fp32", "bf16")
-BF16_GAIN = 1.25  # auto picks bf16 when its matmuls are at least this much faster than fp32's (autocast
-# converts activations to bf16 and back, which costs part of the gain)
-SLOW_FACTOR = 1.5  # an explicit bf16 this many times slower than fp32 gets a warning
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a resolved precision's
+LOW_PRECISION_GAIN = 1.25  # auto picks bf16 (fp16) when its matmuls are at least this much faster than fp32's
+# (autocast converts activations to the low precision and back, which costs part of the gain)
+SLOW_FACTOR = 1.5  # an explicit bf16 or fp16 this many times slower than fp32 gets a warning
 
 # torch's own thread count, before anything changes it: a different count later means someone chose one.
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()
@@ -57,61 +63,39 @@ class Choice:
     measured: bool = False  # chosen from a measurement of the machine, not set by the user
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The choices for one device, each with its reason; `warnings` for explicit choices that are slow here."""
+def resolve_precision(
+    requested: str, profile: DeviceProfile, option: str = "training.precision"
+) -> tuple[Choice, list[str]]:
+    """`requested` (one of `PRECISIONS`) on a device with `profile`: the precision, its reason, and the
+    warnings an explicit slow choice deserves, naming the setting it came from (`option`)."""
+    if requested not in PRECISIONS:
+        raise ScratchlmError(f"{option} must be one of {', '.join(PRECISIONS)}; got {requested!r}")
+    fp32 = profile.rate("fp32")
 
-    device: str
-    profile: DeviceProfile
-    precision: Choice  # "fp32" | "bf16"
-    threads: Choice  # an int (CPU), or None (an accelerator: left to torch)
-    compile: Choice  # bool
-    warnings: tuple[str, ...] = ()
+    def rates(low: str) -> str:
+        return f"{low} matmul {profile.rate(low):,.1f} GFLOP/s, fp32 {fp32:,.1f}"
 
-    def summary(self) -> str:
-        """The one line a command prints when it starts."""
-        p = self.profile
-        name = p.name if p.type != "cpu" else f"{p.name} ({'native' if p.native_bf16 else 'no native'} bf16)"
-        n = self.threads.value
-        threads = "" if n is None else f", {n} thread{'' if n == 1 else 's'}"
-        return (
-            f"{self.device}: {name} → {self.precision.value}{threads}, "
-            f"{'compiled' if self.compile.value else 'not compiled'} "
-            f"({self.precision.reason}{'; ' + self.threads.reason if self.threads.value is not None else ''})"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """What a run records and `scratchlm doctor --json` prints."""
-        return {
-            "device": self.device,
-            "profile": self.profile.to_dict(),
-            **{name: asdict(getattr(self, name)) for name in ("precision", "threads", "compile")},
-            "warnings": list(self.warnings),
-        }
-
-
-def resolve_precision(requested: str, profile: DeviceProfile) -> tuple[Choice, list[str]]:
-    """`requested` ("auto", "fp32", "bf16") on a device with `profile`: the precision, its reason, and the
-    warnings an explicit slow choice deserves."""
-    fp32, bf16 = profile.rate("fp32"), profile.rate("bf16")
-    rates = f"bf16 matmul {bf16:,.1f} GFLOP/s, fp32 {fp32:,.1f}"
-    if requested == "fp32":
-        return Choice("fp32", "training.precision = fp32"), []
-    if requested == "bf16":
+    if requested != "auto":
         warnings = []
-        if bf16 * SLOW_FACTOR < fp32:
+        rate = profile.rate(requested)
+        if requested != "fp32" and rate and rate * SLOW_FACTOR < fp32:
             warnings.append(
-                f"training.precision = bf16 on a device that computes it {fp32 / max(bf16, 1e-9):.0f}x slower "
-                f'than fp32 ({rates}); "auto" would choose fp32'
+                f"{option} = {requested} on a device that computes it {fp32 / rate:.0f}x slower than fp32 "
+                f'({rates(requested)}); "auto" would choose fp32'
             )
-        return Choice("bf16", "training.precision = bf16"), warnings
+        return Choice(requested, f"{option} = {requested}"), warnings
     if profile.type == "mps":
         return Choice("fp32", "MPS: bf16 support depends on the macOS version, so fp32"), []
+    fast = {low: profile.rate(low) >= LOW_PRECISION_GAIN * fp32 for low in ("bf16", "fp16")}
     if profile.type == "cuda" and not profile.native_bf16:
+        if fast["fp16"]:
+            return Choice(
+                "fp16", f"compute capability {profile.compute_capability} emulates bf16; {rates('fp16')}"
+            ), []
         return Choice("fp32", f"compute capability {profile.compute_capability} emulates bf16"), []
-    if bf16 >= BF16_GAIN * fp32:
-        return Choice("bf16", f"native bf16: {rates}"), []
-    return Choice("fp32", f"{'' if profile.native_bf16 else 'no native bf16: '}{rates}"), []
+    if fast["bf16"]:
+        return Choice("bf16", f"native bf16: {rates('bf16')}"), []
+    return Choice("fp32", f"{'' if profile.native_bf16 else 'no native bf16: '}{rates('bf16')}"), []
 
 
 def user_threads() -> tuple[int, str] | None:
@@ -202,25 +186,55 @@ def choose_compile(requested: bool, device: torch.device) -> Choice:
     return Choice(True, f"training.compile = true ({what})")
 
 
-def plan(device: torch.device, precision: str = "auto", compile: bool = False, threads: int = 0) -> Plan:
-    """The choices for training (or inference) on `device` with the config's requests."""
-    threads_choice = choose_threads(threads) if device.type == "cpu" else Choice(None, "")
-    # Measured with the threads that will run (a rate at 2 threads is not one at 1).
-    previous = torch.get_num_threads()
-    if threads_choice.value is not None and threads_choice.value != previous:
-        torch.set_num_threads(threads_choice.value)
-    try:
-        profile = device_profile(device)
-    finally:
-        if torch.get_num_threads() != previous:
-            torch.set_num_threads(previous)
-    precision_choice, warnings = resolve_precision(precision, profile)
-    compile_choice = choose_compile(compile, device)
-    if compile and not compile_choice.value:
-        warnings.append(f"training.compile = true, but {compile_choice.reason}: running uncompiled")
-    return Plan(str(device), profile, precision_choice, threads_choice, compile_choice, tuple(warnings))
+def choose_fused_loss(requested: str, device: torch.device) -> Choice:
+    """`training.fused_loss` ("auto", "on", "off"): auto is on for a CUDA device, where memory is short."""
+    if requested != "auto":
+        return Choice(requested == "on", f"training.fused_loss = {requested}")
+    on = device.type == "cuda"
+    return Choice(on, "a GPU: the logits' memory is saved" if on else "unfused is faster off a GPU")
 
 
-def autocast(device: torch.device, precision: str) -> torch.autocast:
-    """The autocast context of a resolved precision: bf16 matmuls with float32 weights, or nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+# Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets. fp16 and
+# bf16 run on the same tensor cores; a GPU without fast bf16 lists fp16 only.
+PEAK_FLOPS: dict[tuple[str, str], float] = {
+    ("H200", "bf16"): 989e12,
+    ("H100 PCIe", "bf16"): 756e12,
+    ("H100", "bf16"): 989e12,
+    ("A100", "bf16"): 312e12,
+    ("L40S", "bf16"): 362e12,
+    ("A10G", "bf16"): 70e12,
+    ("4090", "bf16"): 165e12,
+    ("3090", "bf16"): 71e12,
+    ("H200", "fp16"): 989e12,
+    ("H100 PCIe", "fp16"): 756e12,
+    ("H100", "fp16"): 989e12,
+    ("A100", "fp16"): 312e12,
+    ("L40S", "fp16"): 362e12,
+    ("A10G", "fp16"): 70e12,
+    ("4090", "fp16"): 165e12,
+    ("3090", "fp16"): 71e12,
+    ("V100", "fp16"): 125e12,
+    ("T4", "fp16"): 65e12,
+    ("H200", "fp32"): 67e12,
+    ("H100 PCIe", "fp32"): 51e12,
+    ("H100", "fp32"): 67e12,
+    ("A100", "fp32"): 19.5e12,
+    ("L40S", "fp32"): 91.6e12,
+    ("A10G", "fp32"): 31.2e12,
+    ("4090", "fp32"): 82.6e12,
+    ("3090", "fp32"): 35.6e12,
+    ("V100", "fp32"): 15.7e12,
+    ("T4", "fp32"): 8.1e12,
+}
+
+
+def choose_peak_flops(profile: DeviceProfile, precision: str, peak_tflops: float = 0.0) -> Choice:
+    """The peak FLOP/s that MFU divides by: `logging.peak_tflops`, else the data-sheet peak of a known GPU at
+    `precision`, else None (no MFU is reported)."""
+    if peak_tflops:
+        return Choice(peak_tflops * 1e12, f"logging.peak_tflops = {peak_tflops:g}")
+    if profile.type == "cuda":
+        for (fragment, table_precision), value in PEAK_FLOPS.items():  # first match: specific names first
+            if fragment in profile.name and table_precision == precision:
+                return Choice(value, f"the {fragment} data sheet, {precision}")
+    return Choice(None, "no data-sheet peak for this device (set logging.peak_tflops for MFU)")

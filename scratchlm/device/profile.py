@@ -12,6 +12,10 @@ AMX they run 2-10x faster than fp32. A short matmul of each dtype (a fraction of
 on any machine, including ones no table lists. The result is cached per machine, under
 `$XDG_CACHE_HOME/scratchlm/` (default `~/.cache/scratchlm/`; `SCRATCHLM_CACHE_DIR` overrides), keyed by the
 device's name, the flags and cores that matter, and the torch version, so later commands start at once.
+
+`SCRATCHLM_DEVICE_PROFILE=FILE` (a profile as `scratchlm doctor --json` prints it under "profile", or as the
+cache stores it) replaces the measurement for a device of the file's type: the test suite runs once as if the
+CPU had native bf16 and once as if it had not, whichever CPU it is on.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ RELEVANT_CPU_FLAGS = (
     "avx512_fp16",
     "amx_bf16",
     "amx_tile",
+    "amx_fp16",
     "asimd",
     "bf16",
 )
@@ -50,7 +55,7 @@ RELEVANT_CPU_FLAGS = (
 CPU_MATMUL_SIZE = 512
 GPU_MATMUL_SIZE = 4096
 MEASURE_SECONDS = 0.15  # each rate is timed over at least this long (or one multiplication, if slower)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: fp16 is measured on CPUs too
 
 
 @dataclass(frozen=True)
@@ -298,9 +303,7 @@ def memory_gbps(device: torch.device, mib: int = 256) -> float:
 def measure(device: torch.device) -> DeviceProfile:
     """The device's profile, measured now (about a second)."""
     identity = _identity(device)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if device.type in ("cuda", "mps"):
-        dtypes["fp16"] = torch.float16
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     rates = {}
     for name, dtype in dtypes.items():
         try:
@@ -333,11 +336,30 @@ def _cache_key(device: torch.device, threads: int) -> str:
 
 
 _in_process: dict[str, DeviceProfile] = {}
+PROFILE_OVERRIDE = "SCRATCHLM_DEVICE_PROFILE"
+
+
+def profile_override(device: torch.device) -> DeviceProfile | None:
+    """The profile the file of `$SCRATCHLM_DEVICE_PROFILE` describes, for a device of its type; else None."""
+    name = os.environ.get(PROFILE_OVERRIDE)
+    if not name:
+        return None
+    try:
+        values = json.loads(Path(name).read_text(encoding="utf-8"))
+        profile = DeviceProfile.from_dict(values.get("profile", values))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ScratchlmError(
+            f"{PROFILE_OVERRIDE}={name}: not a readable device profile ({type(e).__name__}: {e})"
+        ) from None
+    return profile if profile.type == device.type else None
 
 
 def device_profile(device: torch.device, refresh: bool = False) -> DeviceProfile:
     """The device's profile: from this process's memory, else the per-machine cache, else measured now (with
-    the current thread count) and cached. `refresh` measures again."""
+    the current thread count) and cached. `refresh` measures again. `$SCRATCHLM_DEVICE_PROFILE` overrides all
+    of these (`profile_override`)."""
+    if (override := profile_override(device)) is not None:
+        return override
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = _cache_key(device, torch.get_num_threads())

@@ -127,8 +127,8 @@ class PaddedKVCache:
         if cache.batch_size != 1 or cache.length > self.window:
             raise ScratchlmError(f"a row takes one sequence of at most {self.window} tokens; got {cache!r}")
         for mine, theirs in zip(self.layers, cache.layers, strict=True):
-            mine.keys[row, :, : cache.length] = theirs.keys[0]
-            mine.values[row, :, : cache.length] = theirs.values[0]
+            mine.keys[row, :, : cache.length] = theirs.keys[0].to(mine.keys.dtype)
+            mine.values[row, :, : cache.length] = theirs.values[0].to(mine.values.dtype)
         self.lengths[row] = cache.length
         self._layout = None
 
@@ -185,8 +185,10 @@ class PaddedLayerKVCache:
         if keys.shape[-2] != 1:
             raise ScratchlmError(f"a padded cache takes one new token per row, got {keys.shape[-2]}")
         rows, positions, _, num_keys = self.owner.layout()
-        self.keys[rows, :, positions] = keys[:, :, 0]
-        self.values[rows, :, positions] = values[:, :, 0]
+        # In the cache's dtype: the keys of a model run under autocast over float32 weights arrive in the
+        # autocast dtype, those of a model held in bf16 in bf16.
+        self.keys[rows, :, positions] = keys[:, :, 0].to(self.keys.dtype)
+        self.values[rows, :, positions] = values[:, :, 0].to(self.values.dtype)
         return self.keys[: len(rows), :, :num_keys], self.values[: len(rows), :, :num_keys]
 
     def attention_layout(self) -> tuple[Int[Tensor, "batch 1 1"], Bool[Tensor, "batch 1 1 keys"]]:

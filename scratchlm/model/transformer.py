@@ -247,6 +247,21 @@ class TransformerLM(ConfigModule):
         the dtype of the keys it is given)."""
         return KVCache(len(self.layers), self.config.context_length, batch_size)
 
+    def new_padded_kv_cache(self, max_rows: int) -> PaddedKVCache:
+        """An empty cache of `max_rows` rows of different lengths (serving), preallocated on the model's device
+        in the dtype of its weights: the dtype the model computes keys in for inference (`Plan.for_inference`)."""
+        weight = self.lm_head.weight
+        config = self.config
+        return PaddedKVCache(
+            config.num_layers,
+            config.context_length,
+            max_rows,
+            config.kv_heads,
+            config.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Trainable parameters, each shared tensor counted once. `non_embedding` leaves out the embedding
         tables (lookups, no compute): the value embeddings, and the token embedding matrix unless it is tied

@@ -10,8 +10,10 @@ A checkpoint is one `torch.save`d dict:
     iteration     the number of optimizer steps taken
     model_config  `ModelConfig.to_dict()`, so the model can be rebuilt without the training config
     train_config, tokenizer_fingerprint, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision,
-    time_budget   what a training run adds: its config, the RNG and data-sampling states, its time, what
-                  `precision = "auto"` resolved to and the time budget's decision (`Checkpoint`)
+    time_budget, loss_scale
+                  what a training run adds: its config, the RNG and data-sampling states, its time, what
+                  `precision = "auto"` resolved to, the time budget's decision and, in fp16, the loss
+                  scaler's state (`Checkpoint`)
 
 Compiled (`torch.compile`) and data-parallel (`DistributedDataParallel`) models wrap the real module and prefix
 its parameter names with `_orig_mod.` and `module.`; the checkpoint always stores the unwrapped names, so it
@@ -52,7 +54,7 @@ TRAIN_CONFIG, TOKENIZER_FINGERPRINT, PRECISION, TIME_BUDGET = (
     "time_budget",
 )
 DATA_RNG, TORCH_RNG, CUDA_RNG, ELAPSED, TOKENS = "data_rng", "torch_rng", "cuda_rng", "elapsed_s", "tokens"
-IMPORTED_FROM = "imported_from"
+IMPORTED_FROM, LOSS_SCALE = "imported_from", "loss_scale"
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -228,6 +230,7 @@ class Checkpoint:
     precision: str | None = None  # what training.precision resolved to
     time_budget: dict[str, Any] | None = None  # the time budget's decision (scratchlm.training.budget)
     imported_from: str | None = None  # the directory an imported model was read from
+    loss_scale: dict[str, Any] | None = None  # fp16: the loss scaler's state (scratchlm.training.loss_scale)
 
     @classmethod
     def of(cls, model: torch.nn.Module, step: int, **fields: Any) -> Checkpoint:
@@ -254,6 +257,7 @@ class Checkpoint:
             PRECISION: self.precision,
             TIME_BUDGET: self.time_budget,
             IMPORTED_FROM: self.imported_from,
+            LOSS_SCALE: self.loss_scale,
         }
         state.update({key: value for key, value in optional.items() if value is not None})
         _write(state, path)
@@ -280,6 +284,7 @@ class Checkpoint:
             precision=state.get(PRECISION),
             time_budget=state.get(TIME_BUDGET),
             imported_from=state.get(IMPORTED_FROM),
+            loss_scale=state.get(LOSS_SCALE),
         )
 
     def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -33,6 +33,7 @@ class TrainedModel:
     checkpoint: Path
     train_config: dict[str, Any]  # the checkpoint's training config (empty when it has none)
     tokenizer_fingerprint: str | None  # that of the tokenizer the model was trained with, when recorded
+    precision: str | None = None  # what its training's precision resolved to, when recorded
 
 
 def find_checkpoint(source: str | os.PathLike) -> tuple[Path, RunDirectory | None]:
@@ -84,7 +85,9 @@ def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> T
     model = TransformerLM(checkpoint.model_config, device=device)
     checkpoint.load_into(model)
     model.eval()
-    return TrainedModel(model, None, path, checkpoint.train_config, checkpoint.tokenizer_fingerprint)
+    return TrainedModel(
+        model, None, path, checkpoint.train_config, checkpoint.tokenizer_fingerprint, checkpoint.precision
+    )
 
 
 def check_pair(

@@ -1,7 +1,8 @@
 """`RUN/metrics.jsonl`: one JSON object per line, appended and flushed as training goes.
 
 Every record has "step", "time" (seconds of training wall-clock, continuing across resumes) and "tokens", plus
-either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu), the eval fields (val_loss, val_ppl), or
+either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu; loss_scale and skipped_steps in fp16),
+the eval fields (val_loss, val_ppl), or
 "setup": what each training session ran with (device, device_name, precision as "auto" resolved it, threads,
 compile), written when it starts.
 An unterminated last line is a record still being written by a running training (or torn by a crash) and is

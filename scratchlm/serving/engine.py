@@ -37,9 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from scratchlm.device import autocast
 from scratchlm.generation.sampling import draw, next_token_probs, sample_next_token
-from scratchlm.model.kv_cache import PaddedKVCache
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -137,23 +135,12 @@ class Engine:
         eos_id: int | None,
         max_batch: int = 16,
         max_queue: int = 64,
-        precision: str = "fp32",
     ):
-        """`precision` is a resolved one (scratchlm.device.choices): "bf16" runs the model under autocast."""
-        self.model, self.eos_id, self.precision = model, eos_id, precision
+        """`model` computes in the dtype its weights are held in (`Plan.for_inference`), and so do its caches."""
+        self.model, self.eos_id = model, eos_id
         self.max_batch, self.max_queue = max_batch, max_queue
-        config = model.config
-        parameter = next(model.parameters())
-        self.device = parameter.device
-        self.cache = PaddedKVCache(
-            config.num_layers,
-            config.context_length,
-            max_batch,
-            config.kv_heads,
-            config.head_dim,
-            parameter.dtype,
-            self.device,
-        )
+        self.device = next(model.parameters()).device
+        self.cache = model.new_padded_kv_cache(max_batch)
         self.peak_batch = 0  # the most rows one step has run, since the start
         self._active: list[Sequence] = []  # row i of the cache is sequence i
         self._pending: deque[Sequence] = deque()
@@ -208,8 +195,7 @@ class Engine:
                 self._pending.remove(sequence)
 
     def _run(self) -> None:
-        # Autocast is per thread: it is entered here, in the thread that runs the model.
-        with torch.inference_mode(), autocast(self.device, self.precision):
+        with torch.inference_mode():
             while True:
                 with self._lock:
                     while self._stopping is None and not self._pending and not self._active:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import _toml_value, to_toml
 from scratchlm.model.config import ModelConfig
+from scratchlm.precisions import Precision
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ class TrainingConfig:
     # machine, max_steps / max_tokens (when set) being the most it may have (scratchlm.training.budget)
     max_time_s: float = 0.0
     device: str = "auto"  # auto: cuda, then mps, then cpu
-    # auto: bf16 where the device computes it natively and fast (measured), else fp32; bf16: autocast of the
-    # matmuls, float32 weights (scratchlm.device.choices)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # auto: bf16 where the device computes it natively and fast (measured), fp16 on a GPU with fast fp16 only,
+    # else fp32; bf16, fp16: autocast of the matmuls over float32 weights, fp16 with loss scaling
+    # (scratchlm.device.choices)
+    precision: Precision = "auto"
     threads: int = 0  # CPU threads; 0: the usable cores other processes leave free (scratchlm.device.choices)
     compile: bool = False  # torch.compile the model
     # LM head + loss over chunks of tokens, never the whole (tokens × vocab) logits; auto: on a CUDA device

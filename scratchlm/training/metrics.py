@@ -1,7 +1,8 @@
 """Where a run's numbers go: the console, `RUN/metrics.jsonl`, and optionally Weights & Biases / TensorBoard.
 
 Every record is a flat dict with "step", "time" (seconds of training wall-clock, continuing across resumes)
-and "tokens", plus either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu) or the eval fields
+and "tokens", plus either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu; in fp16 also
+loss_scale and skipped_steps, the steps skipped so far for overflowed gradients) or the eval fields
 (val_loss, val_ppl). `metrics.jsonl` holds one JSON object per line and is appended to and flushed at every
 record, so a crashed run keeps its curve; on resume, records past the checkpoint's step are dropped, because
 those steps are about to be trained again.
@@ -16,45 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
-
 from scratchlm.console import console, progress
 from scratchlm.errors import ScratchlmError
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.metrics import drop_records_after
-
-# Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets.
-PEAK_FLOPS: dict[tuple[str, str], float] = {
-    ("H200", "bf16"): 989e12,
-    ("H100 PCIe", "bf16"): 756e12,
-    ("H100", "bf16"): 989e12,
-    ("A100", "bf16"): 312e12,
-    ("L40S", "bf16"): 362e12,
-    ("A10G", "bf16"): 70e12,
-    ("4090", "bf16"): 165e12,
-    ("3090", "bf16"): 71e12,
-    ("H200", "fp32"): 67e12,
-    ("H100 PCIe", "fp32"): 51e12,
-    ("H100", "fp32"): 67e12,
-    ("A100", "fp32"): 19.5e12,
-    ("L40S", "fp32"): 91.6e12,
-    ("A10G", "fp32"): 31.2e12,
-    ("4090", "fp32"): 82.6e12,
-    ("3090", "fp32"): 35.6e12,
-}
-
-
-def peak_flops(device: torch.device, precision: str, peak_tflops: float = 0.0) -> float | None:
-    """The configured peak, else the data-sheet peak of a known GPU, else None (no MFU is reported)."""
-    if peak_tflops:
-        return peak_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for (fragment, table_precision), value in PEAK_FLOPS.items():  # first match: specific names come first
-        if fragment in name and table_precision == precision:
-            return value
-    return None
 
 
 class MetricsLogger:
@@ -137,7 +103,13 @@ def _format(record: dict[str, Any], total_steps: int | None) -> str:
         return f"{head} │ [bold]val loss {record['val_loss']:.4f}[/] │ val ppl {record['val_ppl']:.2f}"
     # MFU is left out where the device's peak is unknown (CPUs, unless logging.peak_tflops says it).
     mfu = "" if record["mfu"] is None else f" │ mfu {record['mfu']:.1%}"
+    # fp16: the loss scale, and the steps skipped so far because their gradients overflowed.
+    scaling = (
+        f" │ scale {record['loss_scale']:g}, {record['skipped_steps']} skipped"
+        if "loss_scale" in record
+        else ""
+    )
     return (
         f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {record['grad_norm']:.3f}"
-        f" │ {record['tokens_per_s']:,.0f} tok/s{mfu}"
+        f" │ {record['tokens_per_s']:,.0f} tok/s{mfu}{scaling}"
     )

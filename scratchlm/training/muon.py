@@ -74,20 +74,12 @@ def newton_schulz(
     return X.to(G.dtype)
 
 
-def newton_schulz_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where precision "auto" resolves to it on `device` (native and measured faster than float32:
-    `scratchlm.device.choices`), otherwise float32."""
-    from scratchlm.device import device_profile, resolve_precision
-
-    precision, _ = resolve_precision("auto", device_profile(device))
-    return torch.bfloat16 if precision.value == "bf16" else torch.float32
-
-
 class Muon(torch.optim.Optimizer):
     """Muon for the parameter groups whose `algorithm` is "muon" (2-D matrices only), AdamW for those whose
     `algorithm` is "adamw"; the update rules are in the module docstring and `scratchlm.training.optim`.
 
-    `ns_dtype` is the Newton–Schulz iteration's dtype; None: `newton_schulz_dtype` of each matrix's device.
+    `ns_dtype` is the Newton–Schulz iteration's dtype (`build_optimizer` gives bfloat16 where the run's
+    precision is bf16).
     """
 
     def __init__(
@@ -101,7 +93,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         algorithm: Algorithm = MUON,
-        ns_dtype: torch.dtype | None = None,
+        ns_dtype: torch.dtype = torch.float32,
     ) -> None:
         _check_positive("lr", lr)
         _check_positive("eps", eps)
@@ -160,10 +152,9 @@ class Muon(torch.optim.Optimizer):
             by_shape.setdefault((p.shape, p.device), []).append(i)
         if group["weight_decay"]:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        for (_, device), indices in by_shape.items():
-            dtype = self.ns_dtype or newton_schulz_dtype(device)
+        for indices in by_shape.values():
             orthogonal = newton_schulz(
-                torch.stack([directions[i] for i in indices]), group["ns_steps"], dtype
+                torch.stack([directions[i] for i in indices]), group["ns_steps"], self.ns_dtype
             )
             rows, cols = params[indices[0]].shape  # one shape per batch, so one step size
             torch._foreach_add_(

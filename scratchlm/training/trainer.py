@@ -1,11 +1,14 @@
-"""The training loop: sample batches, take AdamW steps on a cosine schedule, evaluate, log, checkpoint.
+"""The training loop: sample batches, take optimizer steps on a schedule, evaluate, log, checkpoint.
 
 One optimizer step at step number t (1-based):
 
     lr ← schedule(t)   (the cosine or the WSD of `build_schedule`, sized by the time budget when there is one)
     draw `batch_size` windows of the training tokens (the global batch; this process takes its slice)
     for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) / grad_accum;  backward
-    clip the gradients to norm `grad_clip`;  AdamW step;  zero the gradients
+    clip the gradients to norm `grad_clip`;  optimizer step;  zero the gradients
+
+In fp16 the loss is scaled before each backward and the gradients unscaled before clipping; a step whose
+gradients overflowed is skipped (`scratchlm.training.loss_scale`), and the log line counts the skipped steps.
 
 `training.batch_size` is the global batch: sequences per optimizer step over all processes and micro-batches,
 so `tokens = steps × batch_size × context_length` whatever the hardware. Every process draws the same window
@@ -52,7 +55,7 @@ import torch
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import console, format_seconds
 from scratchlm.data.tokens import gather_batch, load_tokens, sample_starts
-from scratchlm.device import Plan, apply_threads, autocast, plan, resolve_device
+from scratchlm.device import Plan, apply_threads, plan, resolve_device
 from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.model.config import COMPUTATION_FIELDS
@@ -73,7 +76,8 @@ from scratchlm.training.distributed import (
     wrap_ddp,
 )
 from scratchlm.training.grad import clip_grad_norm
-from scratchlm.training.metrics import MetricsLogger, peak_flops
+from scratchlm.training.loss_scale import LossScaler
+from scratchlm.training.metrics import MetricsLogger
 from scratchlm.training.optim import build_optimizer
 
 EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
@@ -125,7 +129,7 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
     device = resolve_device(config.training.device, option="training.device")
     dist_info, device = init_distributed(device)
     t = config.training
-    choices = plan(device, t.precision, t.compile, t.threads)
+    choices = plan(device, t.precision, t.compile, t.threads, t.fused_loss, config.logging.peak_tflops)
     apply_threads(choices.threads.value)
     if device.type == "cpu":
         # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
@@ -164,12 +168,17 @@ class _Interval:
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
         self.grad_norm = torch.zeros((), device=device)
-        self.steps, self.start, self.paused = 0, clock(), 0.0
+        self.steps, self.skipped, self.start, self.paused = 0, 0, clock(), 0.0
         self.paused_in_session = 0.0  # over every interval of the session: the time budget's measurement
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, applied: bool = True) -> None:
+        """A step's loss and gradient norm; a step skipped for an fp16 overflow counts its loss only (its
+        norm is infinite by definition)."""
         self.loss += loss
-        self.grad_norm += grad_norm
+        if applied:
+            self.grad_norm += grad_norm
+        else:
+            self.skipped += 1
         self.steps += 1
 
     @contextlib.contextmanager
@@ -184,7 +193,7 @@ class _Interval:
         """The mean loss (over all processes) and gradient norm of the interval so far; stops the run with a
         `DivergedError` if either is not finite."""
         loss = all_reduce(self.loss / max(self.steps, 1)).item()
-        norm = self.grad_norm.item() / max(self.steps, 1)
+        norm = self.grad_norm.item() / max(self.steps - self.skipped, 1)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             kept = run.latest_checkpoint()
             raise DivergedError(
@@ -198,7 +207,7 @@ class _Interval:
         tokens_per_s = self.steps * tokens_per_step / max(now - self.start - self.paused, 1e-9)
         self.loss.zero_()
         self.grad_norm.zero_()
-        self.steps, self.start, self.paused = 0, now, 0.0
+        self.steps, self.skipped, self.start, self.paused = 0, 0, now, 0.0
         return tokens_per_s
 
 
@@ -246,13 +255,15 @@ def build_model(config: TrainConfig, device: torch.device) -> TransformerLM:
 @dataclass
 class Progress:
     """Where a session starts: the steps taken, the newest checkpoint on disk, the data-sampling generator,
-    the training time of earlier sessions and the time budget (with the length an earlier session decided)."""
+    the training time of earlier sessions, the time budget (with the length an earlier session decided) and
+    the fp16 loss scaler's state."""
 
     step: int
     last_saved: int | None
     generator: np.random.Generator
     elapsed_s: float
     budget: TimeBudget
+    loss_scale: dict[str, Any] | None = None
 
 
 def restore(
@@ -295,7 +306,9 @@ def restore(
         if damaged:
             console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
         console.print(f"resuming from {existing} (step {checkpoint.step})")
-    return Progress(checkpoint.step, checkpoint.step, fresh.generator, checkpoint.elapsed_s, budget)
+    return Progress(
+        checkpoint.step, checkpoint.step, fresh.generator, checkpoint.elapsed_s, budget, checkpoint.loss_scale
+    )
 
 
 def start_from_weights(
@@ -373,25 +386,19 @@ def _check_config_changes(
 @dataclass(frozen=True)
 class Execution:
     """How the model runs: compiled (the compiled module serves evaluation) and, under several processes,
-    wrapped by DistributedDataParallel for training; in the resolved precision; with the fused head and loss
-    where memory is short."""
+    wrapped by DistributedDataParallel for training; the rest (autocast, loss scaling, the fused loss) is the
+    plan's."""
 
     forward_model: torch.nn.Module
     train_model: torch.nn.Module
-    autocast: contextlib.AbstractContextManager
-    fused_loss: bool
 
 
 def build_execution(
-    config: TrainConfig, model: TransformerLM, choices: Plan, device: torch.device, dist: Distributed
+    model: TransformerLM, choices: Plan, device: torch.device, dist: Distributed
 ) -> Execution:
-    t = config.training
-    # The fused head and loss saves the logits' memory for one more head matmul: worth it where memory is
-    # short (a GPU); on a CPU the unfused path is the faster.
-    fused_loss = t.fused_loss == "on" or (t.fused_loss == "auto" and device.type == "cuda")
     forward_model = torch.compile(model) if choices.compile.value else model
     train_model = wrap_ddp(forward_model, device) if dist.enabled else forward_model
-    return Execution(forward_model, train_model, autocast(device, choices.precision.value), fused_loss)
+    return Execution(forward_model, train_model)
 
 
 def build_session(
@@ -410,7 +417,7 @@ def build_session(
     progress = restore(config, model, optimizer, device, dist, resume, allow_config_change)
     if config.training.init_from and progress.last_saved is None:  # a resumed run continues its own weights
         start_from_weights(config, model, data.tokenizer, dist)
-    execution = build_execution(config, model, choices, device, dist)
+    execution = build_execution(model, choices, device, dist)
     return _Run(config, data, dist, device, choices, model, optimizer, progress, execution)
 
 
@@ -451,9 +458,12 @@ class _Run:
         self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
         self.in_update = False
         self.forward_model, self.train_model = execution.forward_model, execution.train_model
-        self.autocast, self.fused_loss = execution.autocast, execution.fused_loss
+        self.autocast, self.fused_loss = choices.autocast(), choices.fused_loss.value
+        self.scaler = LossScaler(choices.loss_scaling)
+        if progress.loss_scale is not None and self.scaler.enabled:
+            self.scaler.load_state_dict(progress.loss_scale)
         self.flops_per_token = config.model.flops_per_token
-        self.peak = peak_flops(device, self.precision, config.logging.peak_tflops)
+        self.peak = choices.peak_flops.value
 
         # What this session has seen so far; `run` starts the clock.
         self.start_step = self.step
@@ -467,8 +477,9 @@ class _Run:
 
     # -- the pieces of a step -------------------------------------------------------------------------------
 
-    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns the (device-resident) mean loss and the gradient norm before clipping."""
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step; returns the (device-resident) mean loss, the gradient norm before clipping, and
+        whether the update was applied (fp16 skips a step whose gradients overflowed)."""
         t = self.config.training
         lr = self.budget.schedule(self.step + 1)
         for group in self.optimizer.param_groups:
@@ -495,18 +506,24 @@ class _Run:
                         loss = self.train_model(inputs, targets=targets) / t.grad_accum
                     else:
                         loss = cross_entropy(self.train_model(inputs), targets) / t.grad_accum
-                loss.backward()
+                self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
+        self.scaler.unscale_(self.model.parameters())
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.grad_clip or math.inf)
+        applied = self.scaler.update(grad_norm)
+        if self.scaler.collapsed:
+            kept = self.run_dir.latest_checkpoint()
+            raise DivergedError("gradient norm", self.step + 1, str(kept) if kept else None)
         # The update commits the step. An abort (KeyboardInterrupt) before it leaves model and optimizer at the
         # previous step, with the sampling state of `self.committed_rng`; one inside it leaves no usable state.
         self.in_update = True
-        self.optimizer.step()
+        if applied:
+            self.optimizer.step()
         self.step += 1
         self.committed_rng = self.generator.bit_generator.state
         self.in_update = False
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, applied
 
     @torch.no_grad()
     def _validation_loss(self) -> float:
@@ -544,6 +561,7 @@ class _Run:
             tokens=self.step * self.tokens_per_step,
             precision=self.precision,
             time_budget=None if self.budget.decision is None else self.budget.decision.to_dict(),
+            loss_scale=self.scaler.state_dict() if self.scaler.enabled else None,
         ).save(path)
         self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
         return path
@@ -696,8 +714,20 @@ class _Run:
             console.print(change, style="dim")
         mfu = tokens_per_s * self.flops_per_token / (self.peak * self.dist.world_size) if self.peak else None
         lr = self.optimizer.param_groups[0]["lr"]
+        scaling = (
+            {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
+            if self.scaler.enabled
+            else {}
+        )
         self._log(
-            {"train_loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu}
+            {
+                "train_loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                **scaling,
+            }
         )
 
     def _evaluate(self) -> None:
