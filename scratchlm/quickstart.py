@@ -49,6 +49,7 @@ from scratchlm.experiments.plot import plot_runs
 from scratchlm.generation.generate import generate
 from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
+from scratchlm.run.load import TrainedModel
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
 from scratchlm.training.config import TrainConfig, config_changes
@@ -194,6 +195,14 @@ class QuickstartResult:
     wall_seconds: float
 
 
+def load_for_inference(run_dir: Path, device: str, tokenizer: Path) -> TrainedModel:
+    """The trained model for evaluation and samples, held in the precision its run recorded (what "auto"
+    resolved to when it trained), not resolved anew."""
+    trained = load_trained(run_dir, device=device, tokenizer=tokenizer)
+    plan(torch.device(device), trained.precision or "auto").for_inference(trained.model)
+    return trained
+
+
 def quickstart(
     out_dir: str | Path = "runs/quickstart",
     minutes: float = 5.0,
@@ -224,10 +233,8 @@ def quickstart(
     )
 
     _stage(4, "validation loss on the whole validation file")
-    trained = load_trained(run_dir, device=device, tokenizer=data.tokenizer)
+    trained = load_for_inference(run_dir, device, data.tokenizer)
     model, tokenizer = trained.model, trained.tokenizer
-    # Evaluation and samples in the precision the run recorded (what "auto" resolved to when it trained).
-    plan(torch.device(device), trained.precision or "auto").for_inference(model)
     result = evaluate(model, valid_ids, show_progress=True)
     entropy = unigram_entropy(valid_ids)
     console.print(

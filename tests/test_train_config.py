@@ -60,7 +60,10 @@ def test_token_budget_gives_the_number_of_steps():
         ("optimizer.lr=fast", r"optimizer\.lr must be a number, got 'fast'"),
         ("training.compile=1", r"training\.compile must be true or false, got 1"),
         ("training.batch_size=1.5", r"training\.batch_size must be an integer, got 1\.5"),
-        ("training.precision=fp8", r"training\.precision must be one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'"),
+        (
+            "training.precision=fp8",
+            r"training\.precision must be one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'",
+        ),
         ("optimizer.betas=[0.9]", r"optimizer\.betas must be a list of 2 numbers"),
         ("model.d_model=-3", r"model\.d_model must be a positive integer"),
         ("training.batch_size=0", r"training\.batch_size must be positive"),

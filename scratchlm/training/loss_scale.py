@@ -35,15 +35,10 @@ MIN_SCALE = 1.0
 
 
 class LossScaler:
-    def __init__(
-        self,
-        enabled: bool,
-        scale: float = INIT_SCALE,
-        growth_interval: int = GROWTH_INTERVAL,
-    ) -> None:
+    def __init__(self, enabled: bool, scale: float | None = None, growth_interval: int | None = None) -> None:
         self.enabled = enabled
-        self.scale = scale if enabled else 1.0
-        self.growth_interval = growth_interval
+        self.scale = (scale or INIT_SCALE) if enabled else 1.0
+        self.growth_interval = growth_interval or GROWTH_INTERVAL
         self.clean_steps = 0  # consecutive steps applied since the scale last changed
         self.skipped = 0  # steps skipped over the whole run
 

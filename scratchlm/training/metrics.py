@@ -103,6 +103,7 @@ def _format(record: dict[str, Any], total_steps: int | None) -> str:
         return f"{head} │ [bold]val loss {record['val_loss']:.4f}[/] │ val ppl {record['val_ppl']:.2f}"
     # MFU is left out where the device's peak is unknown (CPUs, unless logging.peak_tflops says it).
     mfu = "" if record["mfu"] is None else f" │ mfu {record['mfu']:.1%}"
+    norm = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"  # n/a: all steps skipped
     # fp16: the loss scale, and the steps skipped so far because their gradients overflowed.
     scaling = (
         f" │ scale {record['loss_scale']:g}, {record['skipped_steps']} skipped"
@@ -110,6 +111,6 @@ def _format(record: dict[str, Any], total_steps: int | None) -> str:
         else ""
     )
     return (
-        f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {record['grad_norm']:.3f}"
+        f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {norm}"
         f" │ {record['tokens_per_s']:,.0f} tok/s{mfu}{scaling}"
     )

@@ -189,12 +189,13 @@ class _Interval:
         self.paused += clock() - start
         self.paused_in_session += clock() - start
 
-    def means(self, step: int, run: RunDirectory) -> tuple[float, float]:
+    def means(self, step: int, run: RunDirectory) -> tuple[float, float | None]:
         """The mean loss (over all processes) and gradient norm of the interval so far; stops the run with a
         `DivergedError` if either is not finite."""
         loss = all_reduce(self.loss / max(self.steps, 1)).item()
-        norm = self.grad_norm.item() / max(self.steps - self.skipped, 1)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        applied = self.steps - self.skipped
+        norm = self.grad_norm.item() / applied if applied else None  # None: every step was skipped (fp16)
+        if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
             kept = run.latest_checkpoint()
             raise DivergedError(
                 "loss" if not math.isfinite(loss) else "gradient norm", step, str(kept) if kept else None
@@ -707,7 +708,7 @@ class _Run:
                 }
             )
 
-    def _log_train(self, loss: float, grad_norm: float) -> None:
+    def _log_train(self, loss: float, grad_norm: float | None) -> None:
         """Log the interval that ends at this step, and start the next."""
         tokens_per_s = self.interval.close(self.tokens_per_step)
         if (change := self.threads.update()) is not None and self.dist.is_main:
