@@ -320,6 +320,7 @@ def test_a_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
 
 
 def test_the_profile_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    monkeypatch.delenv("SCRATCHLM_DEVICE_PROFILE", raising=False)  # the real measurement, whatever the run
     monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(profile_module, "_in_process", {})
     calls = []
