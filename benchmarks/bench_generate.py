@@ -6,6 +6,12 @@ same prompt with greedy decoding, and the benchmark checks that they produce the
 each new token reruns the model over the whole sequence so far (up to the context length); with it the prompt
 is run once and each new token costs one position.
 
+Then decoding at batch 1 with the weights held in bf16, as `generate`, `eval` and `serve` hold them where the
+resolved precision is bf16 (`Plan.for_inference`), against float32 weights: cast to bf16 at every matmul under
+autocast (how inference ran before), and plain fp32. Decoding one token reads every weight once, so its speed is
+bound by memory bandwidth; each row also shows that bound: the `scratchlm doctor` bandwidth over the bytes of
+weights one token reads (every matrix, one row of each embedding table).
+
     python benchmarks/bench_generate.py                    # 256 new tokens after a 4-token prompt, CPU
     python benchmarks/bench_generate.py --new-tokens 128 --threads 1
 """
@@ -13,10 +19,12 @@ is run once and each new token costs one position.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
 
+from scratchlm.device import device_profile, plan
 from scratchlm.generation.generate import generate
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
@@ -40,6 +48,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="turns of the weight-dtype comparison (best of)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,6 +75,56 @@ def main() -> None:
         print(f"{name:<30} {seconds:>9.2f} {args.new_tokens / seconds:>10.1f}")
     print(f"speed-up with the cache: {full_s / cached_s:.1f}x (target >= 5x)")
     print(f"same tokens on both paths: {'yes' if cached == full else 'NO'}")
+    compare_weight_dtypes(config, prompt, args)
+
+
+def weight_bytes_per_token(model: TransformerLM) -> int:
+    """Bytes of weights one decoded token reads: every parameter, except that an embedding table (not tied to
+    the head) gives one row."""
+    tables = [model.token_embeddings.weight] if not model.config.tie_embeddings else []
+    tables += [] if model.value_embeddings is None else [t.weight for t in model.value_embeddings]
+    table_ids = {id(t) for t in tables}
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in table_ids)
+    return total + sum(t.shape[1] * t.element_size() for t in tables)
+
+
+def compare_weight_dtypes(config: ModelConfig, prompt: list[int], args: argparse.Namespace) -> None:
+    """Batch-1 decoding with the KV cache: bf16 weights against float32 ones, in the same run."""
+    device = torch.device(args.device)
+    bandwidth = device_profile(device).memory_gbps * 1e9
+
+    def model_in(precision: str) -> TransformerLM:
+        torch.manual_seed(0)
+        model = TransformerLM.from_config(config, device=device)
+        return plan(device, precision, threads=torch.get_num_threads()).for_inference(model)
+
+    fp32, bf16 = model_in("fp32"), model_in("bf16")
+    rows: list[tuple[str, TransformerLM, bool]] = [
+        ("fp32 weights, fp32", fp32, False),
+        ("fp32 weights, bf16 autocast", fp32, True),
+        ("bf16 weights (for_inference)", bf16, False),
+    ]
+    print(f"\ndecoding at batch 1, {args.new_tokens} tokens; bandwidth {bandwidth / 1e9:.1f} GB/s (doctor)")
+    print(f"{'weights':<30} {'tokens/s':>9} {'MB/token':>9} {'bound':>9} {'of bound':>9}")
+    best = {name: math.inf for name, _, _ in rows}
+    for _ in range(args.rounds):  # in turns, so that a slow spell of a shared machine hits every row alike
+        for name, model, autocast in rows:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                timed_generate(model, prompt, 8, use_cache=True)
+                seconds = timed_generate(model, prompt, args.new_tokens, use_cache=True)[1]
+            best[name] = min(best[name], seconds)
+    rates = {}
+    for name, model, _ in rows:
+        rate = args.new_tokens / best[name]
+        per_token = weight_bytes_per_token(model)
+        bound = bandwidth / per_token
+        rates[name] = rate
+        print(f"{name:<30} {rate:>9.1f} {per_token / 1e6:>9.1f} {bound:>9.1f} {rate / bound:>9.0%}")
+    bf16_rate = rates["bf16 weights (for_inference)"]
+    print(
+        f"bf16 weights: {bf16_rate / rates['fp32 weights, bf16 autocast']:.2f}x the fp32 weights under bf16 "
+        f"autocast (target >= 1.6x), {bf16_rate / rates['fp32 weights, fp32']:.2f}x plain fp32"
+    )
 
 
 if __name__ == "__main__":
