@@ -31,6 +31,7 @@ from bench_fused_loss import run_variant
 from bench_train_step import ReferenceLM, matmul_peak, reference_loss, sync
 
 from scratchlm import AdamW, ModelConfig, TransformerLM
+from scratchlm.device import plan
 from scratchlm.model.accounting import train_step_flops
 from scratchlm.model.layers import causal_attention, triton_attention
 
@@ -147,6 +148,7 @@ def bench_training(name: str, config: ModelConfig, batch: int, device: torch.dev
         return reference_loss(reference(x), y)
 
     fused = {"fused": True}
+    bf16 = plan(device, "bf16")  # both sides run under scratchlm's bf16 autocast
     sides = {
         "scratchlm": (ours, ours_loss, AdamW(ours.parameters(), lr=1e-4)),
         "reference": (
@@ -161,7 +163,7 @@ def bench_training(name: str, config: ModelConfig, batch: int, device: torch.dev
         forward_loss = torch.compile(loss_fn) if args.compile else loss_fn
 
         def step(model=model, forward_loss=forward_loss, optimizer=optimizer) -> None:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with bf16.autocast():
                 loss = forward_loss(x, y)
             loss.backward()
             optimizer.step()

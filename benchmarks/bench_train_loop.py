@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from scratchlm import AdamW, TransformerLM, clip_grad_norm, cosine_lr_schedule, cross_entropy, train
+from scratchlm.device import plan
 from scratchlm.training.config import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
 from scratchlm.training.data import gather_batch, sample_starts
 from scratchlm.training.trainer import _Run
@@ -63,7 +64,7 @@ def bare_windows(
         gather_batch(tokens, sample_starts(len(tokens), t.batch_size, context, generator), context, device)
         for _ in range(warmup + steps)
     ]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    choices = plan(device, t.precision, threads=torch.get_num_threads())
     marks = []
     for step, (inputs, targets) in enumerate(batches, start=1):
         if (step - 1 - warmup) % WINDOW == 0 and step > warmup:
@@ -71,7 +72,7 @@ def bare_windows(
             marks.append(clock())
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr_schedule(step, o.lr, o.min_lr, config.schedule.warmup_iters, len(batches))
-        with autocast:
+        with choices.autocast():
             loss = cross_entropy(step_model(inputs), targets)
         loss.backward()
         clip_grad_norm(model.parameters(), o.grad_clip)

@@ -29,6 +29,7 @@ from torch import nn
 
 from scratchlm import AdamW, ModelConfig, TransformerLM, clip_grad_norm, cross_entropy
 from scratchlm.allocator import keep_freed_memory
+from scratchlm.device import plan
 from scratchlm.model.accounting import train_step_flops
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -122,7 +123,8 @@ class TrainStep:
 
     def __init__(self, model, loss_fn, clip, optimizer, precision: str, device: torch.device, compile_: bool):
         self.model, self.clip, self.optimizer, self.device = model, clip, optimizer, device
-        self.bf16 = precision == "bf16"
+        # Both sides run under the autocast of scratchlm's plan for `precision` (none for fp32).
+        self.plan = plan(device, precision, threads=torch.get_num_threads())
 
         def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return loss_fn(model(x), y)
@@ -133,7 +135,7 @@ class TrainStep:
         """One step; returns (loss, seconds of forward + backward, seconds of clipping + update)."""
         sync(self.device)
         start = time.perf_counter()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with self.plan.autocast():
             loss = self.forward_loss(x, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -155,7 +157,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--d-ff", type=int, default=1344)
     parser.add_argument("--vocab", type=int, default=10_000)
-    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
     parser.add_argument("--no-compile", action="store_true")
@@ -190,7 +192,8 @@ def main() -> None:
     header = f"{'precision':<9} {'side':<10} {'ms/step':>9} {'fwd+bwd':>9} {'clip+opt':>9} {'tokens/s':>10} {'of peak':>8} {'matmul peak':>15} {'loss':>7}"
     print(header)
     for precision in args.precision:
-        peak = matmul_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32, args.peak_size)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        peak = matmul_peak(device, dtype, args.peak_size)
         torch.manual_seed(0)
         ours = TransformerLM.from_config(config, device=device)
         reference = ReferenceLM(config).to(device)
