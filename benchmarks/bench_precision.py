@@ -30,7 +30,7 @@ from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.quickstart import FULL, RECIPES, train_config
 from scratchlm.training.grad import clip_grad_norm
-from scratchlm.training.optim import build_optimizer
+from scratchlm.training.optimizers import build_optimizer
 
 
 def sync(device: torch.device) -> None:

@@ -166,7 +166,7 @@ def train_reference(config: TrainConfig, seconds: float, fit_budget: bool) -> tu
 
 @torch.no_grad()
 def reference_eval(model: ReferenceLM, tokens: np.ndarray, context: int, batch_size: int = 32) -> float:
-    """Mean loss over every prediction of the file, in the consecutive windows `scratchlm.training.evaluate` uses."""
+    """Mean loss over every prediction of the file, in the consecutive windows `scratchlm.evaluation` uses."""
     ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
     predictions = len(ids) - 1
     total = 0.0

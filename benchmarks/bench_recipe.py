@@ -126,12 +126,12 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
     "auto" resolves to, clipping, the optimizer), measured in turns in one process so that both see the same machine load; median of
     `rounds` turns of `steps` steps each, after a compiled warm-up."""
     from scratchlm.data.prepare import PreparedData
+    from scratchlm.data.tokens import gather_batch, load_tokens, sample_starts
     from scratchlm.model.loss import cross_entropy
     from scratchlm.model.transformer import TransformerLM
     from scratchlm.quickstart import train_config
-    from scratchlm.training.data import gather_batch, load_tokens, sample_starts
     from scratchlm.training.grad import clip_grad_norm
-    from scratchlm.training.optim import build_optimizer
+    from scratchlm.training.optimizers import build_optimizer
 
     keep_freed_memory()
     torch.set_flush_denormal(True)

@@ -29,7 +29,7 @@ from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.quickstart import FULL, train_config
 from scratchlm.training.grad import clip_grad_norm
-from scratchlm.training.optim import build_optimizer
+from scratchlm.training.optimizers import build_optimizer
 
 
 def tokens_per_s(threads: int, seconds: float) -> float:

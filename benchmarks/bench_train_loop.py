@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from scratchlm import AdamW, TransformerLM, clip_grad_norm, cosine_lr_schedule, cross_entropy, train
+from scratchlm.data.tokens import gather_batch, sample_starts
 from scratchlm.device import plan
 from scratchlm.training.config import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
-from scratchlm.training.data import gather_batch, sample_starts
 from scratchlm.training.trainer import _Run
 
 WINDOW = LoggingConfig().log_interval

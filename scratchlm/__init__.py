@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "load_tokens": "scratchlm.data.tokens",
     "save_checkpoint": "scratchlm.run.checkpoint",
     "load_checkpoint": "scratchlm.run.checkpoint",
-    "build_optimizer": "scratchlm.training.optim",
+    "build_optimizer": "scratchlm.training.optimizers",
     "parameter_groups": "scratchlm.training.optim",
     "TrainConfig": "scratchlm.training.config",
     "train": "scratchlm.training.trainer",

@@ -190,7 +190,7 @@ def _write_marker(path: Path, kind: str) -> None:
         f.write(kind + "\n")
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -204,7 +204,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
@@ -219,6 +219,6 @@ def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = No
             if value is not None:
                 note = notes.get(f"{section}.{key}")
                 comment = "  # " + " ".join(note.split()) if note else ""
-                lines.append(f"{key} = {_toml_value(value)}{comment}")
+                lines.append(f"{key} = {toml_value(value)}{comment}")
         lines.append("")
     return "\n".join(lines)

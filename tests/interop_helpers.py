@@ -15,8 +15,7 @@ from scratchlm.cli import main
 from scratchlm.run import RunDirectory
 from scratchlm.run.checkpoint import save_checkpoint
 from scratchlm.tokenizer import END_OF_TEXT
-from scratchlm.training.config import OptimizerConfig
-from scratchlm.training.optim import build_optimizer
+from scratchlm.training.optimizers import OptimizerConfig, build_optimizer
 
 FIXTURE_TEXTS = (
     "address.txt",

@@ -15,6 +15,7 @@ from scratchlm.cli import main
 from scratchlm.run import StopReason
 from scratchlm.run.checkpoint import read_checkpoint
 from scratchlm.training import budget, trainer
+from scratchlm.training import step as step_module
 from scratchlm.training.budget import (
     BUDGET_SHARE,
     CALIBRATION_STEPS,
@@ -39,7 +40,7 @@ class FakeClock:
         return self.now
 
     def install(self, monkeypatch: pytest.MonkeyPatch, interrupt_at: int | None = None) -> None:
-        clip = trainer.clip_grad_norm
+        clip = step_module.clip_grad_norm
 
         def a_step_that_takes_time(*args, **kwargs):  # called once per optimizer step
             self.now += self.step_s
@@ -49,21 +50,21 @@ class FakeClock:
             return clip(*args, **kwargs)
 
         monkeypatch.setattr(trainer, "clock", self)
-        monkeypatch.setattr(trainer, "clip_grad_norm", a_step_that_takes_time)
+        monkeypatch.setattr(step_module, "clip_grad_norm", a_step_that_takes_time)
 
 
 def slower_after_the_decision(monkeypatch: pytest.MonkeyPatch, step_s: float, extra_s: float) -> None:
     """A fake clock at `step_s` a step while the budget measures, `step_s + extra_s` after its decision."""
     clock = FakeClock(step_s)
     clock.install(monkeypatch)
-    measured_step = trainer.clip_grad_norm
+    measured_step = step_module.clip_grad_norm
 
     def slower(*args, **kwargs):
         if clock.steps >= CALIBRATION_STEPS:
             clock.now += extra_s
         return measured_step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "clip_grad_norm", slower)
+    monkeypatch.setattr(step_module, "clip_grad_norm", slower)
 
 
 def budget_config(tmp_path, run: str, kind: str = "wsd"):
@@ -160,13 +161,13 @@ def test_periodic_evaluations_are_planned_into_the_budget(tmp_path, monkeypatch,
     without it (`planned=False`), the same run overruns the budget before its decay ends."""
     clock = FakeClock(0.5)
     clock.install(monkeypatch)
-    validation_loss = trainer._Run._validation_loss
+    validation_loss = step_module.TrainStep.validation_loss
 
-    def an_estimate_that_takes_time(run):
+    def an_estimate_that_takes_time(stepper, tokens):
         clock.now += 4 * 0.5 / 3
-        return validation_loss(run)
+        return validation_loss(stepper, tokens)
 
-    monkeypatch.setattr(trainer._Run, "_validation_loss", an_estimate_that_takes_time)
+    monkeypatch.setattr(step_module.TrainStep, "validation_loss", an_estimate_that_takes_time)
     if not planned:
         monkeypatch.setattr(budget, "evaluation_share", lambda config: 0.0)
     config = budget_config(tmp_path, "run", kind="cosine")

@@ -25,7 +25,7 @@ from scratchlm.device.profile import DeviceProfile, cgroup_cpu_limit, device_pro
 from scratchlm.errors import ScratchlmError
 from scratchlm.precisions import PRECISIONS
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.optim import build_optimizer
+from scratchlm.training.optimizers import build_optimizer
 from scratchlm.training.trainer import train
 
 # Rates as measured on real machines (GFLOP/s, 2 cores): an AVX2-only EPYC emulates bf16 ~100x slower than

@@ -8,9 +8,8 @@ import torch
 
 from scratchlm import ModelConfig, TransformerLM
 from scratchlm.errors import ScratchlmError
-from scratchlm.training.config import OptimizerConfig
 from scratchlm.training.muon import NEWTON_SCHULZ_COEFFICIENTS, Muon, newton_schulz
-from scratchlm.training.optim import build_optimizer
+from scratchlm.training.optimizers import OptimizerConfig, build_optimizer
 
 TINY = ModelConfig(vocab_size=53, context_length=8, d_model=16, num_layers=2, num_heads=2, ffn="relu2")
 

@@ -20,6 +20,7 @@ from scratchlm.model.loss import cross_entropy
 from scratchlm.run import RunDirectory, StopReason
 from scratchlm.run import lock as lock_module
 from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training import step as step_module
 from scratchlm.training import trainer
 from scratchlm.training.trainer import train
 
@@ -154,7 +155,7 @@ def test_a_resumed_run_that_diverges_says_so_in_its_summary(tmp_path, monkeypatc
     assert RunDirectory(tmp_path / "run").summary().stopped is StopReason.FINISHED
 
     monkeypatch.setattr(
-        trainer, "cross_entropy", lambda logits, targets: cross_entropy(logits, targets) * np.nan
+        step_module, "cross_entropy", lambda logits, targets: cross_entropy(logits, targets) * np.nan
     )
     longer = small_config(tmp_path, eval={"interval": 0, "iters": 0}, training={"max_steps": 8})
     with pytest.raises(trainer.DivergedError):

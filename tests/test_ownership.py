@@ -103,16 +103,3 @@ def test_a_checkpoint_written_by_earlier_code_still_loads(tmp_path):
     assert again.keys() == raw.keys() - {"sha256"}
     assert all(torch.equal(again["model"][name], raw["model"][name]) for name in raw["model"])
     assert again["train_config"] == raw["train_config"] and again["elapsed_s"] == raw["elapsed_s"]
-
-
-def test_the_old_module_paths_are_the_new_modules():
-    """Code written against `scratchlm.training.{checkpoint,data,evaluate}` keeps working: each name is the
-    module that now owns the concept, not a copy of it."""
-    import importlib
-
-    for old, new in (
-        ("scratchlm.training.checkpoint", "scratchlm.run.checkpoint"),
-        ("scratchlm.training.data", "scratchlm.data.tokens"),
-        ("scratchlm.training.evaluate", "scratchlm.evaluation"),
-    ):
-        assert importlib.import_module(old) is importlib.import_module(new)

@@ -180,10 +180,10 @@ def test_a_scale_that_collapses_is_a_divergence(tmp_path, monkeypatch):
     diverged, naming the step, rather than skipping forever."""
     monkeypatch.setattr(loss_scale, "INIT_SCALE", 4.0)
     from scratchlm.errors import DivergedError
-    from scratchlm.training import trainer
+    from scratchlm.training import step as step_module
 
-    real = trainer.cross_entropy
-    monkeypatch.setattr(trainer, "cross_entropy", lambda logits, targets: real(logits, targets) * 1e30)
+    real = step_module.cross_entropy
+    monkeypatch.setattr(step_module, "cross_entropy", lambda logits, targets: real(logits, targets) * 1e30)
     with pytest.raises(DivergedError, match="gradient norm"):
         train(small_config(tmp_path, training={"precision": "fp16"}))
 

@@ -21,12 +21,11 @@ from scratchlm.quickstart import (
     CALIBRATION_STEPS,
     RECIPES,
     SMALL,
-    steps_that_fit,
     train_config,
     train_within_budget,
     unigram_entropy,
 )
-from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained
+from scratchlm.run import RunDirectory, load_trained
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -150,19 +149,6 @@ def test_second_run_reuses_everything(out: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "reusing the finished model" in err
     assert json.loads((out / "quickstart.json").read_text())["val_loss"] == pytest.approx(first["val_loss"])
-
-
-def test_steps_that_fit_the_budget_at_the_measured_speed(tmp_path: Path) -> None:
-    # The first interval (compilation) is left out; after it, 1,000 tokens/s at 100 tokens a step: 10 steps/s.
-    rates = [50.0, 1_000.0, 990.0, 1_000.0, 1_010.0]
-    records = [{"step": 5 * (i + 1), "tokens_per_s": rate} for i, rate in enumerate(rates)]
-    records.append({"step": 25, "val_loss": 5.0})
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    measured = RunSummary(str(tmp_path), 25, 25 * 100, 30.0, None, None, None, 0, StopReason.TIME_BUDGET)
-    # 70 s left, 92 % of them for training steps: 644 more.
-    assert steps_that_fit(tmp_path, measured, 100.0, 100) == 25 + 644
-    # A budget already spent adds no steps.
-    assert steps_that_fit(tmp_path, measured, 20.0, 100) == 25
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -35,8 +35,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from scratchlm.training.config import ScheduleConfig, TrainConfig
-from scratchlm.training.schedule import Schedule, build_schedule
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.schedule import Schedule, ScheduleConfig, build_schedule
 
 CALIBRATION_STEPS = 20  # the step where a budgeted run decides its length
 MEASURE_FROM = 5  # steps before it are start-up, not measured
@@ -160,6 +160,10 @@ class TimeBudget:
         self.schedule = self._schedule()
         return self.decision
 
+    def spent(self, elapsed_s: float) -> bool:
+        """Whether the budget is used up: the run stops then, whatever its schedule says (a hard limit)."""
+        return self.seconds > 0 and elapsed_s > self.seconds
+
     def revise(self, step: int, elapsed_s: float) -> BudgetDecision | None:
         """After the decision, fit the run's length again to the rate of the steps since it, evaluations and
         checkpoints included: shorter when the run would overrun the budget (a machine that got busier,
@@ -177,7 +181,7 @@ class TimeBudget:
         if self.schedule(step + 1) < self.lr:
             return None
         step_s = (elapsed_s - decision.elapsed_s) / (step - decision.step)
-        fraction = self.schedule_config.decay_fraction if self.schedule_config.kind == "wsd" else 1.0
+        fraction = self.schedule_config.decaying_share
         earliest = math.ceil(step / (1 - fraction)) if fraction < 1 else step + 1
         total = max(fit_steps(step, elapsed_s, self.seconds, step_s), earliest)
         if self.planned:

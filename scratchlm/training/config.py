@@ -4,7 +4,9 @@
     [model]       the ModelConfig fields (shape and ablation switches)
     [optimizer]   name (adamw | sgd | muon), lr, min_lr, betas, eps, weight_decay, grad_clip, embedding_lr,
                   head_lr, muon_lr, muon_momentum, muon_nesterov, muon_ns_steps, muon_bf16, muon_weight_decay
-    [schedule]    kind (cosine | wsd), warmup_iters, cosine_cycle_iters (0: the run's last step), decay_fraction
+                  (scratchlm.training.optimizers: the section beside the registry of optimizers)
+    [schedule]    kind (cosine | wsd | linear), warmup_iters, cosine_cycle_iters (0: the run's last step),
+                  decay_fraction (scratchlm.training.schedule: the section beside the registry of schedules)
     [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, threads,
                   compile, seed, init_from
     [eval]        interval, iters, batch_size
@@ -32,9 +34,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.io import _toml_value, to_toml
+from scratchlm.io import to_toml, toml_value
 from scratchlm.model.config import ModelConfig
 from scratchlm.precisions import Precision
+from scratchlm.training.optimizers import OptimizerConfig
+from scratchlm.training.schedule import ScheduleConfig
 
 
 @dataclass(frozen=True)
@@ -42,37 +46,6 @@ class DataConfig:
     train: str = ""  # training tokens (.npy); required
     valid: str = ""  # validation tokens (.npy); required
     tokenizer: str | None = None  # tokenizer directory, recorded for generation
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    # adamw | sgd: one algorithm for every parameter. muon: Muon for the hidden weight matrices (muon_* below),
-    # AdamW (lr, betas, eps, weight_decay) for the token embeddings, the LM head and the gains.
-    name: Literal["adamw", "sgd", "muon"] = "adamw"
-    lr: float = 1e-3  # peak learning rate α_max (of every group without a rate of its own below)
-    min_lr: float = 1e-4  # final rate α_min; a group with a rate of its own ends at that rate × min_lr / lr
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # AdamW's decoupled weight decay λ (θ ← θ (1 - α λ))
-    grad_clip: float = 1.0  # maximum global gradient L2 norm; 0 disables clipping
-    embedding_lr: float = 0.0  # peak rate of the token and value embeddings; 0: lr
-    head_lr: float = 0.0  # peak rate of the LM head (untied); 0: lr
-    muon_lr: float = 0.02  # name = "muon": peak rate of the hidden matrices
-    muon_momentum: float = 0.95  # Muon's momentum μ
-    muon_nesterov: bool = True  # Nesterov momentum: orthogonalise (1 - μ) g + μ B rather than B
-    muon_ns_steps: int = 5  # Newton–Schulz iterations of the orthogonalisation
-    muon_bf16: bool = True  # iterate in bfloat16 when training.precision resolves to bf16; false: float32
-    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay of the hidden matrices
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    # cosine: warm-up, then a cosine down to min_lr. wsd: warm-up, stable at lr, then a linear decay to min_lr
-    # over the last decay_fraction of the steps (the trapezoid of modded-nanogpt and nanochat).
-    kind: Literal["cosine", "wsd"] = "cosine"
-    warmup_iters: int = 100
-    cosine_cycle_iters: int = 0  # the step where the cosine (or the wsd decay) ends; 0: the run's last step
-    decay_fraction: float = 0.2  # wsd: the share of the schedule's steps that decays, in (0, 1]
 
 
 @dataclass(frozen=True)
@@ -457,4 +430,4 @@ def _flat(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    return "(unset)" if value is None else _toml_value(value)
+    return "(unset)" if value is None else toml_value(value)

@@ -11,27 +11,20 @@ Each rule is applied to all parameters of a group at once with `torch._foreach_*
 step instead of a few per parameter), which is what makes the optimizer step cheap next to the model's
 forward and backward passes.
 
-`build_optimizer` is the one place where a training run's optimizer is made. It splits the model's parameters
-into named groups by their role (`parameter_groups`, which the model declares): the hidden weight matrices,
-the token embeddings, the output head and the gains (the 1-D RMSNorm weights). Every group is a `param_groups` entry with its `name`, an
-`lr_scale` (its learning rate is the schedule's rate times this) and its own hyperparameters, so an optimizer or
-a learning rate per group is a matter of configuration: `optimizer.name = "muon"` gives the hidden matrices
-to Muon (`scratchlm.training.muon`) and the rest to AdamW, and `embedding_lr` / `head_lr` give those groups
-rates of their own.
+`parameter_groups` splits a model's parameters into named groups by their role, which the model declares: the
+hidden weight matrices, the token embeddings, the output head and the gains (the 1-D RMSNorm weights).
+`scratchlm.training.optimizers` builds a run's optimizer over them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from scratchlm.errors import ScratchlmError
-
-if TYPE_CHECKING:
-    from scratchlm.training.config import OptimizerConfig
 
 Params = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
 
@@ -180,49 +173,3 @@ def _check_cover(model: torch.nn.Module, groups: dict[str, list[torch.nn.Paramet
             f"the parameter groups of {type(model).__name__} must hold each of its parameters once: "
             + "; ".join(problems)
         )
-
-
-def build_optimizer(
-    config: OptimizerConfig, model: torch.nn.Module, precision: str = "fp32"
-) -> torch.optim.Optimizer:
-    """The optimizer `config` describes over `model`'s parameter groups (see the module docstring); groups
-    without parameters are left out. The handout's recipe gives every group the same settings.
-
-    A group's peak rate is `config.lr` unless the config gives it its own (`embedding_lr`, `head_lr`, and
-    `muon_lr` for the matrices under Muon); its `lr_scale` is that rate over `config.lr`, so the schedule
-    moves every group's rate in proportion. `name="muon"` makes a `Muon` optimizer (scratchlm.training.muon)
-    whose "matrices" group runs Muon and whose other groups run AdamW; its Newton–Schulz iteration runs in
-    bfloat16 when the training's resolved `precision` is "bf16" and `config.muon_bf16`, else in float32."""
-    from scratchlm.training.muon import ADAMW, MUON, Muon  # muon.py builds on this module
-
-    muon = config.name == "muon"
-    rates = {
-        "matrices": config.muon_lr if muon else config.lr,
-        "embeddings": config.embedding_lr or config.lr,
-        "head": config.head_lr or config.lr,
-        "gains": config.lr,
-    }
-    groups = [
-        {"params": params, "name": name, "lr_scale": rates[name] / config.lr}
-        for name, params in parameter_groups(model).items()
-        if params
-    ]
-    if config.name == "sgd":
-        return SGD(groups, lr=config.lr)
-    if muon:
-        for group in groups:
-            group["algorithm"] = MUON if group["name"] == "matrices" else ADAMW
-            if group["name"] == "matrices":
-                group["weight_decay"] = config.muon_weight_decay
-        return Muon(
-            groups,
-            lr=config.lr,
-            momentum=config.muon_momentum,
-            nesterov=config.muon_nesterov,
-            ns_steps=config.muon_ns_steps,
-            ns_dtype=torch.bfloat16 if config.muon_bf16 and precision == "bf16" else torch.float32,
-            betas=config.betas,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
-    return AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)

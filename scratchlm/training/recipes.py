@@ -47,14 +47,3 @@ def merged(base: Recipe, changes: Recipe) -> Recipe:
     for section, values in changes.items():
         result[section] = result.get(section, {}) | copy.deepcopy(values)
     return result
-
-
-def differences(recipe: Recipe, config: dict[str, dict[str, Any]]) -> list[str]:
-    """`["section.key: recipe V, config W", ...]`: the keys `recipe` sets that the config dict (a
-    `TrainConfig.to_dict()` or a parsed TOML file) sets otherwise or leaves out."""
-    return [
-        f"{section}.{key}: recipe {value!r}, config {config.get(section, {}).get(key, '(unset)')!r}"
-        for section, values in recipe.items()
-        for key, value in values.items()
-        if config.get(section, {}).get(key) != value
-    ]

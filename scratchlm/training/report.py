@@ -1,0 +1,176 @@
+"""What a training session reports: the console lines, the metrics records (`RUN/metrics.jsonl` and the
+optional sinks of `MetricsLogger`) and the summary.
+
+The loop reads values back from the accelerator (`.item()`, which waits for it) only every `log_interval`
+steps, so the CPU keeps queueing work ahead of the GPU; losses and gradient norms are summed on the device in
+between (`Interval`). That is also where the checks that need those numbers happen: a non-finite loss or
+gradient norm stops the run before any checkpoint could save the damage. Only the main process of a run
+prints and writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from scratchlm.console import console, format_seconds
+from scratchlm.device import Plan
+from scratchlm.errors import DivergedError
+from scratchlm.run.directory import RunDirectory
+from scratchlm.run.summary import RunSummary, StopReason
+from scratchlm.training.budget import BudgetDecision, TimeBudget
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.distributed import Distributed, all_reduce
+from scratchlm.training.metrics import MetricsLogger
+
+
+class Interval:
+    """The steps since the last log step: their summed loss and gradient norm, kept on the device so that the
+    loop reads from the accelerator (and waits for it) once per interval, and their wall time less the pauses
+    for evaluation and checkpoints, so that tokens/s measures training alone."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.loss = torch.zeros((), device=device)
+        self.grad_norm = torch.zeros((), device=device)
+        self.steps, self.skipped, self.start, self.paused = 0, 0, clock(), 0.0
+        self.paused_in_session = 0.0  # over every interval of the session: the time budget's measurement
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, applied: bool = True) -> None:
+        """A step's loss and gradient norm; a step skipped for an fp16 overflow counts its loss only (its
+        norm is infinite by definition)."""
+        self.loss += loss
+        if applied:
+            self.grad_norm += grad_norm
+        else:
+            self.skipped += 1
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Time spent inside does not count towards the interval's tokens/s."""
+        start = self.clock()
+        yield
+        self.paused += self.clock() - start
+        self.paused_in_session += self.clock() - start
+
+    def means(self, step: int, run: RunDirectory) -> tuple[float, float | None]:
+        """The mean loss (over all processes) and gradient norm of the interval so far; stops the run with a
+        `DivergedError` if either is not finite."""
+        loss = all_reduce(self.loss / max(self.steps, 1)).item()
+        applied = self.steps - self.skipped
+        norm = self.grad_norm.item() / applied if applied else None  # None: every step was skipped (fp16)
+        if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+            kept = run.latest_checkpoint()
+            raise DivergedError(
+                "loss" if not math.isfinite(loss) else "gradient norm", step, str(kept) if kept else None
+            )
+        return loss, norm
+
+    def close(self, tokens_per_step: int) -> float:
+        """Ends the interval and starts the next; returns the ended interval's tokens/s."""
+        now = self.clock()
+        tokens_per_s = self.steps * tokens_per_step / max(now - self.start - self.paused, 1e-9)
+        self.loss.zero_()
+        self.grad_norm.zero_()
+        self.steps, self.skipped, self.start, self.paused = 0, 0, now, 0.0
+        return tokens_per_s
+
+
+class Reporter:
+    """The console, the metrics log and the summary of one session; silent outside the main process."""
+
+    def __init__(self, config: TrainConfig, dist: Distributed, run_dir: RunDirectory, choices: Plan) -> None:
+        self.config, self.dist, self.run_dir, self.choices = config, dist, run_dir, choices
+        self.tokens_per_step = config.training.batch_size * config.model.context_length
+        self.logger: MetricsLogger | None = None
+
+    def open(self, parameters: int, budget: TimeBudget, step: int, elapsed_s: float) -> None:
+        """Announce the session (the plan, its warnings, what it trains) and open the metrics log with a
+        `setup` record of what this session runs with."""
+        if not self.dist.is_main:
+            return
+        choices, config, t = self.choices, self.config, self.config.training
+        console.print(choices.summary(), markup=False, highlight=False)
+        for warning in choices.warnings:
+            console.print(f"warning: {warning}", style="yellow", markup=False)
+        steps = (
+            f"as many steps as fit in {format_seconds(budget.seconds)}"
+            + (f" (at most {budget.planned:,})" if budget.planned else "")
+            if budget.deciding
+            else f"{budget.total_steps:,} steps"
+        )
+        processes = f" × {self.dist.world_size} processes" if self.dist.enabled else ""
+        console.print(
+            f"training {parameters:,} parameters on {choices.device}{processes}: {steps}"
+            f" of {t.batch_size} × {config.model.context_length} tokens → {self.run_dir}"
+        )
+        self.logger = MetricsLogger(
+            self.run_dir,
+            config.to_dict(),
+            None if budget.deciding else budget.total_steps,
+            start_step=step,
+            wandb=config.logging.wandb,
+            wandb_project=config.logging.wandb_project,
+            tensorboard=config.logging.tensorboard,
+        )
+        setup = {
+            "device": choices.device,
+            "device_name": choices.profile.name,
+            "precision": choices.precision.value,
+            "threads": choices.threads.value,
+            "compile": choices.compile.value,
+        }
+        self.logger.note({**self._head(step, elapsed_s), "setup": setup})
+
+    def _head(self, step: int, elapsed_s: float) -> dict[str, Any]:
+        return {"step": step, "time": round(elapsed_s, 3), "tokens": step * self.tokens_per_step}
+
+    def record(self, step: int, elapsed_s: float, fields: dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log({**self._head(step, elapsed_s), **fields})
+
+    def decision(
+        self, step: int, elapsed_s: float, decision: BudgetDecision, revised: bool, budget: TimeBudget
+    ) -> None:
+        """The time budget has sized (or resized) the schedule."""
+        if not self.dist.is_main:
+            return
+        console.print(
+            f"{decision.step_s:.3f} s a step{' since the last decision' if revised else ''}: "
+            f"{decision.total_steps:,} steps fit in the time budget of "
+            f"{format_seconds(budget.seconds)}; the schedule ends at step {decision.total_steps:,}"
+        )
+        if self.logger is not None:
+            self.logger.set_total(decision.total_steps)
+            self.logger.note({"step": step, "time": round(elapsed_s, 3), "time_budget": decision.to_dict()})
+
+    def note(self, line: str) -> None:
+        if self.dist.is_main:
+            console.print(line, style="dim")
+
+    def summary(self, summary: RunSummary) -> None:
+        """Write the summary and say how the session ended (a diverged run's error tells its own story)."""
+        if not self.dist.is_main:
+            return
+        summary.write(self.run_dir.summary_file)
+        if summary.stopped is StopReason.DIVERGED:
+            return
+        console.print(
+            f"{summary.stopped.value} at step {summary.steps} after {format_seconds(summary.wall_time_s)}: "
+            f"train loss {_fmt(summary.final_train_loss)}, val loss {_fmt(summary.final_val_loss)}; "
+            f"checkpoint in {self.run_dir.checkpoints_dir}"
+            + ("" if summary.stopped is StopReason.FINISHED else " (continue with --resume)")
+        )
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

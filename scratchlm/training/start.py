@@ -1,0 +1,160 @@
+"""Where a session starts: a new run, the newest intact checkpoint of a run being resumed, or the weights of
+another run (`training.init_from`).
+
+A checkpoint holds the model, the optimizer, the step, the sampling generator's state, torch's RNG state, the
+elapsed time, the time budget's decision and (fp16) the loss scale, so a resumed run continues exactly: on CPU,
+N steps, resume, N steps gives bit-for-bit the parameters of 2N steps in one go. A resumed run must keep the
+config it trained with, beyond `CHANGEABLE_ON_RESUME`, unless `--allow-config-change`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scratchlm.console import console
+from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import COMPUTATION_FIELDS
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import Checkpoint
+from scratchlm.run.directory import RunDirectory
+from scratchlm.run.load import check_pair, find_checkpoint
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training.budget import BudgetDecision, TimeBudget
+from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
+from scratchlm.training.distributed import Distributed
+
+
+@dataclass
+class Progress:
+    """Where a session starts: the steps taken, the newest checkpoint on disk, the data-sampling generator,
+    the training time of earlier sessions, the time budget (with the length an earlier session decided) and
+    the fp16 loss scaler's state."""
+
+    step: int
+    last_saved: int | None
+    generator: np.random.Generator
+    elapsed_s: float
+    budget: TimeBudget
+    loss_scale: dict[str, Any] | None = None
+
+
+def restore(
+    config: TrainConfig,
+    run_dir: RunDirectory,
+    model: TransformerLM,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    dist: Distributed,
+    resume: bool,
+    allow_config_change: bool = False,
+) -> Progress:
+    """A new run's starting point, or, when resuming, the newest intact checkpoint's, loaded into `model` and
+    `optimizer` with the RNG states it saved (a run with checkpoints must be resumed, and with the config it
+    trained with, beyond `CHANGEABLE_ON_RESUME`, unless `allow_config_change`)."""
+    fresh = Progress(0, None, np.random.default_rng(config.training.seed), 0.0, TimeBudget(config))
+    existing = run_dir.latest_checkpoint()
+    if existing is not None and not resume:
+        raise ScratchlmError(
+            f"run directory {run_dir} already has checkpoints; continue it with --resume, "
+            "or choose another logging.run_dir"
+        )
+    if existing is None:
+        if resume and dist.is_main:
+            console.print(f"no checkpoint in {run_dir}: starting a new run")
+        return fresh
+    existing, checkpoint, damaged = _newest_intact_checkpoint(run_dir, dist)
+    _check_config_changes(run_dir, config, checkpoint, allow_config_change, dist)
+    checkpoint.load_into(model, optimizer)
+    fresh.generator.bit_generator.state = checkpoint.data_rng
+    torch.set_rng_state(checkpoint.torch_rng)
+    if device.type == "cuda" and checkpoint.cuda_rng is not None:
+        torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
+    budget = fresh.budget
+    if checkpoint.time_budget is not None:  # the length this run decided: the same schedule continues
+        budget = TimeBudget(config, BudgetDecision.from_dict(checkpoint.time_budget))
+    if dist.is_main:
+        for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
+            console.print(f"set {bad} aside as {run_dir.set_aside(bad).name}", style="yellow")
+        if damaged:
+            console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
+        console.print(f"resuming from {existing} (step {checkpoint.step})")
+    return Progress(
+        checkpoint.step, checkpoint.step, fresh.generator, checkpoint.elapsed_s, budget, checkpoint.loss_scale
+    )
+
+
+def start_from_weights(
+    config: TrainConfig, model: TransformerLM, tokenizer: Tokenizer | None, dist: Distributed
+) -> None:
+    """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
+    continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
+    and its tokenizer, when both are known, the one of `data.tokenizer`."""
+    path, _ = find_checkpoint(config.training.init_from)
+    checkpoint = Checkpoint.read(path)
+    differing = [
+        f"{key} = {ours!r}, theirs {theirs!r}"
+        for key, theirs, ours in config_differences(
+            {"model": checkpoint.model_config.to_dict()},
+            {"model": config.model.to_dict()},
+            sections=("model",),
+            changeable={f"model.{name}" for name in COMPUTATION_FIELDS},
+        )
+    ]
+    if differing:
+        raise ScratchlmError(
+            f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
+        )
+    if tokenizer is not None:
+        try:
+            check_pair(config.model, tokenizer, checkpoint.tokenizer_fingerprint)
+        except ScratchlmError:
+            raise ScratchlmError(
+                f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
+                f"({config.data.tokenizer})"
+            ) from None
+    checkpoint.load_into(model)
+    if dist.is_main:
+        console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
+
+
+def _newest_intact_checkpoint(
+    run_dir: RunDirectory, dist: Distributed
+) -> tuple[Path, Checkpoint, list[Path]]:
+    """The newest checkpoint that reads back intact, read, and the newer ones that did not (a checksum that
+    does not match, a truncated file), each reported by name. Once the resume goes ahead, those are set aside
+    as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
+    damaged: list[Path] = []
+    for path in reversed(run_dir.checkpoints()):
+        try:
+            return path, Checkpoint.read(path), damaged
+        except ScratchlmError as e:
+            if dist.is_main:
+                console.print(f"{e}; trying the checkpoint before it", style="yellow")
+            damaged.append(path)
+    raise ScratchlmError(
+        f"no intact checkpoint in {run_dir.checkpoints_dir} ({len(damaged)} damaged, the newest "
+        f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
+    )
+
+
+def _check_config_changes(
+    run_dir: RunDirectory, config: TrainConfig, checkpoint: Checkpoint, allowed: bool, dist: Distributed
+) -> None:
+    """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
+    config.toml): a difference is refused unless `allowed`, and then named."""
+    recorded = checkpoint.train_config or None
+    if recorded is None and run_dir.config.is_file():
+        recorded = read_toml(run_dir.config)
+    changes = config_changes(recorded, config) if recorded is not None else []
+    if changes and not allowed:
+        raise ScratchlmError(
+            f"the config differs from the one run {run_dir} trained with ({'; '.join(changes)}); "
+            "pass --allow-config-change to continue with the new values, or choose another logging.run_dir"
+        )
+    if changes and dist.is_main:
+        console.print(f"resuming with a changed config: {'; '.join(changes)}", style="yellow")

@@ -1,0 +1,130 @@
+"""One optimizer step, and the periodic validation estimate.
+
+At step number t (1-based):
+
+    lr ← schedule(t)   (sized by the time budget when there is one)
+    draw `batch_size` windows of the training tokens (the global batch; this process takes its slice)
+    for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) / grad_accum;  backward
+    clip the gradients to norm `grad_clip`;  optimizer step;  zero the gradients
+
+Every process draws the same window positions from the same generator and keeps its own slice, so the data a
+step sees does not depend on how many processes share it: two processes give the same run as one with the
+same global batch. How the model runs comes from the device plan: the forward passes under its autocast, the
+fused head and loss where it says so, and in fp16 the loss scaled before each backward and the gradients
+unscaled before clipping; a step whose gradients overflowed is skipped (`scratchlm.training.loss_scale`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+
+from scratchlm.data.tokens import gather_batch, sample_starts
+from scratchlm.device import Plan
+from scratchlm.errors import DivergedError
+from scratchlm.model.loss import cross_entropy
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.directory import RunDirectory
+from scratchlm.training.budget import TimeBudget
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.distributed import Distributed, all_reduce
+from scratchlm.training.grad import clip_grad_norm
+from scratchlm.training.loss_scale import LossScaler
+
+EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
+
+
+class TrainStep:
+    """The gradients of one step (`gradients`), then its update (`update`): two calls, so that the loop knows
+    when the model starts to change (an abort before `update` leaves the previous step intact)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        dist: Distributed,
+        device: torch.device,
+        model: TransformerLM,
+        optimizer: torch.optim.Optimizer,
+        train_model: torch.nn.Module,
+        forward_model: torch.nn.Module,
+        choices: Plan,
+        scaler: LossScaler,
+    ) -> None:
+        t = config.training
+        self.config, self.dist, self.device = config, dist, device
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.train_model, self.forward_model = train_model, forward_model
+        self.autocast, self.fused_loss = choices.autocast(), choices.fused_loss.value
+        self.context = config.model.context_length
+        self.micro_batch = t.batch_size // dist.world_size // t.grad_accum
+        self.eval_batch = config.eval.batch_size or t.batch_size
+
+    def gradients(
+        self,
+        step: int,
+        budget: TimeBudget,
+        tokens: np.ndarray,
+        generator: np.random.Generator,
+        run: RunDirectory,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The gradients of step `step` (1-based) at the schedule's rate; returns the (device-resident) mean
+        loss, the gradient norm before clipping, and whether the update may be applied (fp16 skips a step
+        whose gradients overflowed)."""
+        t = self.config.training
+        lr = budget.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        starts = sample_starts(len(tokens), t.batch_size, self.context, generator)
+        per_process = t.batch_size // self.dist.world_size
+        mine = starts[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(t.grad_accum):
+            batch = mine[k * self.micro_batch : (k + 1) * self.micro_batch]
+            inputs, targets = gather_batch(tokens, batch, self.context, self.device)
+            # Gradients are averaged across processes once per step, on the last micro-batch's backward.
+            last = k == t.grad_accum - 1
+            no_sync = (
+                self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
+            )
+            with no_sync:
+                with self.autocast:
+                    if self.fused_loss:
+                        loss = self.train_model(inputs, targets=targets) / t.grad_accum
+                    else:
+                        loss = cross_entropy(self.train_model(inputs), targets) / t.grad_accum
+                self.scaler.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+        self.scaler.unscale_(self.model.parameters())
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.grad_clip or math.inf)
+        applied = self.scaler.update(grad_norm)
+        if self.scaler.collapsed:
+            kept = run.latest_checkpoint()
+            raise DivergedError("gradient norm", step, str(kept) if kept else None)
+        return loss_sum, grad_norm, applied
+
+    def update(self, applied: bool) -> None:
+        """Apply the step's update (unless it was skipped) and clear the gradients."""
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def validation_loss(self, tokens: np.ndarray) -> float:
+        """Mean loss over `eval.iters` fixed batches of validation windows. Each process takes its share of
+        every batch and runs it in chunks of the training micro-batch (which fits in memory)."""
+        self.model.eval()
+        generator = np.random.default_rng(self.config.training.seed + EVAL_SEED_OFFSET)
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.config.eval.iters):
+            starts = sample_starts(len(tokens), self.eval_batch, self.context, generator)
+            mine = np.array_split(starts, self.dist.world_size)[self.dist.rank]
+            for chunk in np.array_split(mine, max(1, math.ceil(len(mine) / self.micro_batch))):
+                if len(chunk):
+                    inputs, targets = gather_batch(tokens, chunk, self.context, self.device)
+                    with self.autocast:
+                        total += cross_entropy(self.forward_model(inputs), targets) * len(chunk)
+        self.model.train()
+        return all_reduce(total, "sum").item() / (self.config.eval.iters * self.eval_batch)
