@@ -39,6 +39,7 @@ from scratchlm import AdamW, TransformerLM, clip_grad_norm, cosine_lr_schedule, 
 from scratchlm.data.tokens import gather_batch, sample_starts
 from scratchlm.device import plan
 from scratchlm.training.config import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
+from scratchlm.training.step import TrainStep
 from scratchlm.training.trainer import _Run
 
 WINDOW = LoggingConfig().log_interval
@@ -87,7 +88,7 @@ def bare_windows(
 def instrumented(clock: Callable) -> Iterator[dict[str, list[float]]]:
     """Mark the start of every loop step, and time the evaluations and checkpoints."""
     marks: dict[str, list[float]] = {"step": [], "eval": [], "save": []}
-    step, evaluate, save = _Run._train_step, _Run._validation_loss, _Run._save
+    step, evaluate, save = _Run._take_step, TrainStep.validation_loss, _Run._save
 
     def marked_step(self):
         marks["step"].append(clock())
@@ -103,8 +104,8 @@ def instrumented(clock: Callable) -> Iterator[dict[str, list[float]]]:
         return wrapper
 
     with (
-        mock.patch.object(_Run, "_train_step", marked_step),
-        mock.patch.object(_Run, "_validation_loss", timed("eval", evaluate)),
+        mock.patch.object(_Run, "_take_step", marked_step),
+        mock.patch.object(TrainStep, "validation_loss", timed("eval", evaluate)),
         mock.patch.object(_Run, "_save", timed("save", save)),
     ):
         yield marks
