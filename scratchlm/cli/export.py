@@ -1,5 +1,6 @@
-"""`scratchlm export --run DIR --format hf|gguf --out PATH`: a trained model, with its tokenizer, for Hugging
-Face transformers (a checkpoint directory) or llama.cpp (one GGUF file).
+"""`scratchlm export --run DIR --format FORMAT --out PATH`: a trained model, with its tokenizer, in an export
+format of the registry `EXPORT_FORMATS` (scratchlm/interop/formats.py), which gives `--format` its choices and
+the help its words: this module names no format.
 
 The configuration is checked first: a feature the target's architectures lack is refused by name. With
 transformers installed, what was written is loaded back by transformers and must give scratchlm's logits on
@@ -11,18 +12,27 @@ from __future__ import annotations
 import argparse
 
 from scratchlm.cli.options import add_model_source_arguments, load_model_source
+from scratchlm.interop.formats import EXPORT_FORMATS
 
-HELP = "Export a trained model for Hugging Face transformers (--format hf) or llama.cpp (--format gguf)."
+HELP = (
+    "Export a trained model for "
+    + " or ".join(f"{f.target} (--format {f.name})" for f in EXPORT_FORMATS.values())
+    + "."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_source_arguments(parser, tokenizer=True, precision=False)
+    formats = EXPORT_FORMATS.values()
     parser.add_argument(
-        "--format", required=True, choices=("hf", "gguf"), help="hf: a directory; gguf: a file"
+        "--format",
+        required=True,
+        choices=tuple(EXPORT_FORMATS),
+        help="; ".join(f"{f.name}: a {f.output}" for f in formats),
     )
-    parser.add_argument(
-        "--out", required=True, metavar="PATH", help="the directory (hf) or .gguf file to write"
-    )
+    # A file format with a conventional ending is named by it: "the directory (hf) or .gguf file".
+    outputs = [f"{f.suffix} {f.output}" if f.suffix else f"{f.output} ({f.name})" for f in formats]
+    parser.add_argument("--out", required=True, metavar="PATH", help=f"the {' or '.join(outputs)} to write")
     parser.add_argument(
         "--dtype", choices=("f32", "f16", "bf16"), default="f32", help="weights' precision (default f32)"
     )
@@ -32,11 +42,7 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.console import console
     from scratchlm.interop import LLAMA, describe
 
-    if args.format == "hf":
-        from scratchlm.interop.hf import export_hf as export
-    else:
-        from scratchlm.interop.gguf import export_gguf as export
-
+    export = EXPORT_FORMATS[args.format].build()
     trained = load_model_source(args)
     result = export(trained, args.out, args.dtype)
     architecture = result.architecture
@@ -49,5 +55,4 @@ def run(args: argparse.Namespace) -> None:
         checked = (
             f"logits equal to scratchlm's within {result.max_logit_difference:.1e} (loaded by transformers)"
         )
-    target = architecture.hf_class if args.format == "hf" else f"llama.cpp architecture {architecture.name}"
-    console.print(f"wrote {result.path} ({target}, {args.dtype}); {checked}")
+    console.print(f"wrote {result.path} ({result.loaded_as}, {args.dtype}); {checked}")

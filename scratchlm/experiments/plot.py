@@ -7,7 +7,7 @@ diverged run) are left out and the run's label says "diverged"; the loss axis is
 runs' typical initial loss, so one run that blew up does not flatten the others into a line.
 
 The metrics are read by `scratchlm.run.read_metrics`, which skips a record still being written, so a run can
-be plotted while it trains; each curve takes the records that have its key ("train_loss" or "val_loss").
+be plotted while it trains; each curve takes the records of its kind (`TrainRecord` or `EvalRecord`).
 """
 
 from __future__ import annotations
@@ -20,21 +20,24 @@ from typing import Any
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write, check_output_file
-from scratchlm.run.metrics import read_metrics
+from scratchlm.run.metrics import EvalRecord, Record, TrainRecord, read_records
 
-# loss key in metrics.jsonl -> curve name
-CURVES = {"train_loss": "train", "val_loss": "val"}
+# curve name -> the record kind and its loss field
+CURVES: dict[str, tuple[type[Record], str]] = {
+    "train": (TrainRecord, "train_loss"),
+    "val": (EvalRecord, "val_loss"),
+}
 
 
-def loss_curves(records: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+def loss_curves(records: list[Record]) -> dict[str, dict[str, list[float]]]:
     """`{"train": {"step", "time", "loss"}, "val": {...}}` from metrics records, all points, file order."""
     curves: dict[str, dict[str, list[float]]] = {}
-    for key, name in CURVES.items():
-        points = [r for r in records if key in r]
+    for name, (kind, field) in CURVES.items():
+        points = [r for r in records if isinstance(r, kind)]
         curves[name] = {
-            "step": [float(r["step"]) for r in points],
-            "time": [float(r["time"]) for r in points],
-            "loss": [float(r[key]) for r in points],
+            "step": [float(r.step) for r in points],
+            "time": [float(r.time) for r in points],
+            "loss": [float(getattr(r, field)) for r in points],
         }
     return curves
 
@@ -82,7 +85,7 @@ def plot_runs(
     initial_losses: list[float] = []
     finite_min, finite_max = math.inf, -math.inf
     for index, (run_dir, label) in enumerate(zip(run_dirs, labels, strict=True)):
-        curves = loss_curves(read_metrics(run_dir))
+        curves = loss_curves(read_records(run_dir))
         diverged = any(not math.isfinite(v) for curve in curves.values() for v in curve["loss"])
         color = colors[index % len(colors)]
         legend = f"{label} (diverged)" if diverged else label

@@ -12,12 +12,12 @@ architecture reads:
     .token_type (1 normal, 3 control = special, 5 unused = padding up to the model's vocab_size),
     .merges ("a b", in rank order), .bos_token_id / .eos_token_id (<|endoftext|>), .add_bos_token = false
 
-Tensors (block i): token_embd, blk.i.attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate (W1),
-ffn_up (W3), ffn_down (W2), output_norm, output (absent when tied: llama.cpp then uses token_embd). Each
-matrix is stored as numpy writes a PyTorch `(out, in)` weight, which GGUF records as `ne = [in, out]`, the
-layout llama.cpp multiplies with. llama.cpp's "llama" RoPE rotates adjacent pairs, as scratchlm's does, so
-no rows are permuted (transformers' conversion script permutes back to this layout). Matrices are float32,
-float16 or bfloat16; the RMSNorm gains stay float32, as llama.cpp's own converter keeps them.
+Tensors are under llama.cpp's names (`GGUFAdapter.names`; `output` is absent when tied: llama.cpp then uses
+`token_embd`). Each matrix is stored as numpy writes a PyTorch `(out, in)` weight, which GGUF records as
+`ne = [in, out]`, the layout llama.cpp multiplies with. llama.cpp's "llama" RoPE rotates adjacent pairs, as
+scratchlm's does, so no rows are permuted (transformers' conversion script permutes back to this layout).
+Matrices are float32, float16 or bfloat16; the RMSNorm gains stay float32, as llama.cpp's own converter keeps
+them.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from scratchlm.console import console
-from scratchlm.interop import StateDictAdapter, require
-from scratchlm.interop.hf import ExportResult
+from scratchlm.interop import LLAMA, require
+from scratchlm.interop.adapter import StateDictAdapter
+from scratchlm.interop.formats import ExportResult
 from scratchlm.interop.verify import (
     as_stored,
     check_export,
@@ -51,10 +52,27 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
 
 
 class GGUFAdapter(StateDictAdapter):
-    """scratchlm <-> llama.cpp's "llama" tensor names; both rotate adjacent pairs."""
+    """scratchlm <-> llama.cpp's "llama" tensor names; both rotate adjacent pairs. llama.cpp runs Qwen3 too,
+    but transformers' GGUF reader (the independent check of what is written) takes a Qwen3 file's head size
+    from its default, not from the file: QK-norm models are refused."""
 
     format = "gguf"
+    architectures = (LLAMA,)
     rotates_halves = False
+    names = {
+        "token_embeddings.weight": "token_embd.weight",
+        "layers.{i}.ln1.weight": "blk.{i}.attn_norm.weight",
+        "layers.{i}.attn.q_proj.weight": "blk.{i}.attn_q.weight",
+        "layers.{i}.attn.k_proj.weight": "blk.{i}.attn_k.weight",
+        "layers.{i}.attn.v_proj.weight": "blk.{i}.attn_v.weight",
+        "layers.{i}.attn.output_proj.weight": "blk.{i}.attn_output.weight",
+        "layers.{i}.ln2.weight": "blk.{i}.ffn_norm.weight",
+        "layers.{i}.ffn.w1.weight": "blk.{i}.ffn_gate.weight",
+        "layers.{i}.ffn.w3.weight": "blk.{i}.ffn_up.weight",
+        "layers.{i}.ffn.w2.weight": "blk.{i}.ffn_down.weight",
+        "ln_final.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
 
 
 def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -125,7 +143,7 @@ def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
     """Write `trained` (model and tokenizer) as the GGUF file `out`. With transformers installed, its GGUF
     reader loads the file and its logits are compared with scratchlm's before the file takes its name."""
     out = Path(out)
-    architecture = check_export(trained, "gguf", dtype)
+    architecture = check_export(trained, GGUFAdapter, dtype)
     check_output_file(out, previous=_is_gguf, what="a GGUF file")  # before any work
     require("gguf")
     model = trained.model.cpu().float()
@@ -136,7 +154,9 @@ def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
         difference = _verify(path, model, dtype)
         os.chmod(path, 0o666 & ~_umask())
         os.replace(path, out)
-    return ExportResult(out, architecture, difference)
+    return ExportResult(
+        out, architecture, difference, loaded_as=f"llama.cpp architecture {architecture.name}"
+    )
 
 
 def _verify(path: Path, model: TransformerLM, dtype: str) -> float | None:

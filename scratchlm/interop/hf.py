@@ -6,21 +6,10 @@ DIR)`, no custom code:
 
     config.json              LlamaForCausalLM (Qwen3ForCausalLM for QK-norm): the shape, rope_theta, rms_norm_eps,
                              tie_word_embeddings, no biases
-    model.safetensors        the tensors under transformers' names (`HFAdapter`), W_Q and W_K rows permuted
-                             from RoPE's adjacent pairs to halves; the LM head left out when tied
+    model.safetensors        the tensors under transformers' names (`HFAdapter.names`), W_Q and W_K rows
+                             permuted from RoPE's adjacent pairs to halves; the LM head left out when tied
     generation_config.json   <|endoftext|> as the end of a sequence
     tokenizer.json           byte-level BPE (`tokenizer_json`), with tokenizer_config.json
-
-Names, scratchlm -> transformers (block i):
-
-    token_embeddings.weight     model.embed_tokens.weight
-    layers.i.ln1.weight         model.layers.i.input_layernorm.weight
-    layers.i.attn.q_proj.weight model.layers.i.self_attn.q_proj.weight   (and k_proj, v_proj; output_proj: o_proj)
-    layers.i.attn.q_norm.weight model.layers.i.self_attn.q_norm.weight   (Qwen3; and k_norm)
-    layers.i.ln2.weight         model.layers.i.post_attention_layernorm.weight
-    layers.i.ffn.w1/w3/w2       model.layers.i.mlp.gate_proj/up_proj/down_proj
-    ln_final.weight             model.norm.weight
-    lm_head.weight              lm_head.weight
 
 Importing reads `config.json` and the safetensors (one file, or shards listed by model.safetensors.index.json),
 refusing by name every setting scratchlm does not compute (rope scaling, biases, another activation or
@@ -37,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +33,9 @@ from torch import Tensor
 
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
-from scratchlm.interop import (
-    ARCHITECTURES,
-    QWEN3,
-    Architecture,
-    StateDictAdapter,
-    require,
-)
+from scratchlm.interop import LLAMA, QWEN3, Architecture, require
+from scratchlm.interop.adapter import StateDictAdapter
+from scratchlm.interop.formats import ExportResult
 from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
 from scratchlm.interop.verify import (
     DTYPES,
@@ -77,17 +61,28 @@ CHECK_TEXT = "Hello, world! It's 2024: naïve café, 東京, emoji 🙂.\n\n\tx 
 
 
 class HFAdapter(StateDictAdapter):
-    """scratchlm <-> transformers' Llama and Qwen3 names; transformers' RoPE rotates halves."""
+    """scratchlm <-> transformers' Llama and Qwen3 (QK-norm) checkpoints, in both directions: export writes
+    them, import reads them. transformers' RoPE rotates halves."""
 
     format = "hf"
+    architectures = (LLAMA, QWEN3)
     rotates_halves = True
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    path: Path
-    architecture: Architecture
-    max_logit_difference: float | None  # None: transformers is not installed, nothing was compared
+    names = {
+        "token_embeddings.weight": "model.embed_tokens.weight",
+        "layers.{i}.ln1.weight": "model.layers.{i}.input_layernorm.weight",
+        "layers.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+        "layers.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+        "layers.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+        "layers.{i}.attn.output_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
+        "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",  # Qwen3
+        "layers.{i}.ln2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "layers.{i}.ffn.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+        "layers.{i}.ffn.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+        "layers.{i}.ffn.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+        "ln_final.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
 
 
 # -- export ----------------------------------------------------------------------------------------------------
@@ -156,7 +151,7 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
     scratchlm's before it replaces `out`."""
     out = Path(out)
     config = trained.model.config
-    architecture = check_export(trained, "hf", dtype)
+    architecture = check_export(trained, HFAdapter, dtype)
     check_output_dir(out, HF_EXPORT_KIND)  # before any work: only an earlier export may be replaced
     safetensors_torch = require("safetensors.torch")
     model = trained.model.cpu().float()
@@ -168,7 +163,7 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
         _write_json(tmp / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos})
         write_tokenizer(trained.tokenizer, tmp, config.context_length)
         difference = _verify(tmp, model, trained.tokenizer, dtype)
-    return ExportResult(out, architecture, difference)
+    return ExportResult(out, architecture, difference, loaded_as=architecture.hf_class)
 
 
 def _verify(directory: Path, model: TransformerLM, tokenizer: Tokenizer, dtype: str) -> float | None:
@@ -195,7 +190,7 @@ def model_config_from_hf(values: Any, source: str) -> ModelConfig:
     scratchlm's model does not compute."""
     if not isinstance(values, dict):
         raise ScratchlmError(f"{source} is not a JSON object")
-    architectures = {a.name: a for a in ARCHITECTURES}
+    architectures = {a.name: a for a in HFAdapter.architectures}
     architecture = architectures.get(values.get("model_type"))
     if architecture is None:
         raise ScratchlmError(

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.interop import Architecture, check_exportable
+from scratchlm.interop.adapter import StateDictAdapter
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.load import TrainedModel
 
@@ -30,10 +31,10 @@ TOLERANCE = 1e-4  # on the largest logit difference, relative to the largest log
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def check_export(trained: TrainedModel, format: str, dtype: str) -> Architecture:
-    """What every export checks before any work: the architecture of `format` that computes the model exactly
-    (`check_exportable`), a `dtype` of `DTYPES`, and a tokenizer to write beside the weights."""
-    architecture = check_exportable(trained.model.config, format)
+def check_export(trained: TrainedModel, adapter: type[StateDictAdapter], dtype: str) -> Architecture:
+    """What every export checks before any work: the architecture of the format of `adapter` that computes the
+    model exactly (`check_exportable`), a `dtype` of `DTYPES`, and a tokenizer to write beside the weights."""
+    architecture = check_exportable(trained.model.config, adapter.format, adapter.architectures)
     if dtype not in DTYPES:
         raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if trained.tokenizer is None:

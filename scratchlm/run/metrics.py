@@ -4,7 +4,9 @@ Every record has "step", "time" (seconds of training wall-clock, continuing acro
 either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu; loss_scale and skipped_steps in fp16),
 the eval fields (val_loss, val_ppl), or
 "setup": what each training session ran with (device, device_name, precision as "auto" resolved it, threads,
-compile), written when it starts.
+compile), written when it starts, or "time_budget": the time budget's decision. Each kind is a dataclass here
+(`TrainRecord`, `EvalRecord`, `SetupRecord`, `BudgetRecord`), which the trainer writes and readers read
+(`read_records`).
 An unterminated last line is a record still being written by a running training (or torn by a crash) and is
 skipped, so a run can be read while it trains.
 """
@@ -12,6 +14,7 @@ skipped, so a run can be read while it trains.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,84 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """What every record has: the step, seconds of training (over all sessions) and tokens seen."""
+
+    step: int
+    time: float = 0.0
+    tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the file."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRecord(Record):
+    """One log interval of training. `grad_norm` is None when fp16 skipped every step of the interval;
+    `loss_scale` and `skipped_steps` (so far in the run) are fp16's alone; `mfu` is None where the peak is
+    unknown."""
+
+    train_loss: float
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    loss_scale: float | None = None
+    skipped_steps: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        values = super().to_dict()
+        if self.loss_scale is None:  # not fp16: the fields are left out of the file
+            del values["loss_scale"], values["skipped_steps"]
+        return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRecord(Record):
+    """A validation estimate."""
+
+    val_loss: float
+    val_ppl: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetupRecord(Record):
+    """What a training session ran with: device, device_name, precision ("auto" resolved), threads, compile."""
+
+    setup: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetRecord(Record):
+    """The time budget's decision (`scratchlm.training.budget.BudgetDecision.to_dict()`)."""
+
+    time_budget: dict[str, Any]
+
+
+# Each kind of record by the key only it has.
+RECORD_KINDS: dict[str, type[Record]] = {
+    "train_loss": TrainRecord,
+    "val_loss": EvalRecord,
+    "setup": SetupRecord,
+    "time_budget": BudgetRecord,
+}
+
+
+def typed(record: dict[str, Any]) -> Record:
+    """A record of the file as its dataclass (a kind this version does not know stays a plain `Record`; a
+    field an older file lacks takes its default)."""
+    kind = next((kind for key, kind in RECORD_KINDS.items() if key in record), Record)
+    names = {f.name for f in fields(kind)}
+    return kind(**{key: value for key, value in record.items() if key in names})
+
+
+def read_records(run_dir_or_file: str | Path) -> list[Record]:
+    """`read_metrics`, each record as its dataclass."""
+    return [typed(record) for record in read_metrics(run_dir_or_file)]
 
 
 def read_metrics(run_dir_or_file: str | Path) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from scratchlm.console import console, format_seconds
 from scratchlm.device import Plan
 from scratchlm.errors import DivergedError
 from scratchlm.run.directory import RunDirectory
+from scratchlm.run.metrics import BudgetRecord, EvalRecord, SetupRecord, TrainRecord
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig
@@ -125,14 +126,21 @@ class Reporter:
             "threads": choices.threads.value,
             "compile": choices.compile.value,
         }
-        self.logger.note({**self._head(step, elapsed_s), "setup": setup})
+        self.logger.note(SetupRecord(**self._head(step, elapsed_s), setup=setup).to_dict())
 
     def _head(self, step: int, elapsed_s: float) -> dict[str, Any]:
+        """The fields every record starts with: step, time, tokens."""
         return {"step": step, "time": round(elapsed_s, 3), "tokens": step * self.tokens_per_step}
 
-    def record(self, step: int, elapsed_s: float, fields: dict[str, Any]) -> None:
+    def train(self, step: int, elapsed_s: float, **fields: Any) -> None:
+        """A log interval's `TrainRecord` fields (train_loss, lr, grad_norm, tokens_per_s, mfu, ...)."""
         if self.logger is not None:
-            self.logger.log({**self._head(step, elapsed_s), **fields})
+            self.logger.log(TrainRecord(**self._head(step, elapsed_s), **fields).to_dict())
+
+    def evaluation(self, step: int, elapsed_s: float, loss: float) -> None:
+        if self.logger is not None:
+            ppl = math.exp(min(loss, 700.0))
+            self.logger.log(EvalRecord(**self._head(step, elapsed_s), val_loss=loss, val_ppl=ppl).to_dict())
 
     def decision(
         self, step: int, elapsed_s: float, decision: BudgetDecision, revised: bool, budget: TimeBudget
@@ -147,7 +155,8 @@ class Reporter:
         )
         if self.logger is not None:
             self.logger.set_total(decision.total_steps)
-            self.logger.note({"step": step, "time": round(elapsed_s, 3), "time_budget": decision.to_dict()})
+            record = BudgetRecord(**self._head(step, elapsed_s), time_budget=decision.to_dict())
+            self.logger.note(record.to_dict())
 
     def note(self, line: str) -> None:
         if self.dist.is_main:

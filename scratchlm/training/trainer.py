@@ -24,7 +24,6 @@ in it and returns the summary it wrote.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,23 +291,23 @@ class _Run:
         peak = self.choices.peak_flops.value
         flops = tokens_per_s * self.config.model.flops_per_token
         scaler = self.stepper.scaler
-        fields = {
-            "train_loss": loss,
-            "lr": self.stepper.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "mfu": flops / (peak * self.dist.world_size) if peak else None,
-        }
-        if scaler.enabled:  # fp16: the scale, and the steps skipped so far for overflowed gradients
-            fields |= {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped}
-        self.report.record(self.step, self._elapsed(), fields)
+        self.report.train(
+            self.step,
+            self._elapsed(),
+            train_loss=loss,
+            lr=self.stepper.optimizer.param_groups[0]["lr"],
+            grad_norm=grad_norm,
+            tokens_per_s=tokens_per_s,
+            mfu=flops / (peak * self.dist.world_size) if peak else None,
+            # fp16: the scale, and the steps skipped so far for overflowed gradients
+            loss_scale=scaler.scale if scaler.enabled else None,
+            skipped_steps=scaler.skipped if scaler.enabled else None,
+        )
 
     def _evaluate(self) -> None:
         loss = self.stepper.validation_loss(self.data.valid)
         self.final_val_loss, self.last_eval = loss, self.step
-        self.report.record(
-            self.step, self._elapsed(), {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
-        )
+        self.report.evaluation(self.step, self._elapsed(), loss)
 
     def _maybe_stop(self, at_log: bool) -> bool:
         """Whether to stop early, for a signal or the time budget. Several processes must agree, which they do
