@@ -15,13 +15,13 @@ import pytest
 from test_trainer import small_config
 
 from scratchlm.cli import main
-from scratchlm.errors import ScratchlmError
+from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.model.loss import cross_entropy
-from scratchlm.run import RunDirectory, StopReason
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.run import Checkpoint, RunDirectory, StopReason
 from scratchlm.run import lock as lock_module
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training import step as step_module
-from scratchlm.training import trainer
 from scratchlm.training.trainer import train
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files through /proc")
@@ -101,25 +101,24 @@ def test_a_full_disk_while_a_checkpoint_is_written_keeps_the_earlier_ones(tmp_pa
     config = small_config(tmp_path, eval={"interval": 0, "iters": 0})
     (tmp_path / "config.toml").write_text(config.to_toml())
     run = RunDirectory(tmp_path / "run")
-    real_save = trainer.Checkpoint.save
+    real_save = Checkpoint.save
 
     def save_then_fill_the_disk(checkpoint, path):  # the step-4 checkpoint fits; the disk is full after it
         real_save(checkpoint, path)
         fill_disk(monkeypatch, ".step_")
 
-    monkeypatch.setattr(trainer.Checkpoint, "save", save_then_fill_the_disk)
+    monkeypatch.setattr(Checkpoint, "save", save_then_fill_the_disk)
     status = main(["train", "--config", str(tmp_path / "config.toml")])
     message = one_line_error(capsys, status)
     assert f"cannot write {run.checkpoint(8)}: no space left on device" in message
     assert os.listdir(run.checkpoints_dir) == ["step_00000004.pt"]  # nothing partial beside it
-    assert trainer.Checkpoint.read(run.checkpoint(4)).step == 4
+    assert Checkpoint.read(run.checkpoint(4)).step == 4
 
 
 def test_a_full_disk_reported_by_torch_save_is_the_same_one_line_error(tmp_path, monkeypatch):
     # torch.save hides the OSError of a failed write inside a RuntimeError; the message must not.
-    from scratchlm.run.checkpoint import Checkpoint
 
-    checkpoint = Checkpoint.of(trainer.TransformerLM.from_config(small_config(tmp_path).model), 3)
+    checkpoint = Checkpoint.of(TransformerLM.from_config(small_config(tmp_path).model), 3)
     fill_disk(monkeypatch, ".ck.pt.tmp-", room=200)
     with pytest.raises(ScratchlmError, match=r"^cannot write .*ck\.pt: no space left on device$"):
         checkpoint.save(tmp_path / "ck.pt")
@@ -158,7 +157,7 @@ def test_a_resumed_run_that_diverges_says_so_in_its_summary(tmp_path, monkeypatc
         step_module, "cross_entropy", lambda logits, targets: cross_entropy(logits, targets) * np.nan
     )
     longer = small_config(tmp_path, eval={"interval": 0, "iters": 0}, training={"max_steps": 8})
-    with pytest.raises(trainer.DivergedError):
+    with pytest.raises(DivergedError):
         train(longer, resume=True)
     summary = RunDirectory(tmp_path / "run").summary()
     assert summary.stopped is StopReason.DIVERGED and summary.steps > 4

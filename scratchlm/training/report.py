@@ -23,6 +23,7 @@ from scratchlm.errors import DivergedError
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.metrics import BudgetRecord, EvalRecord, SetupRecord, TrainRecord
 from scratchlm.run.summary import RunSummary, StopReason
+from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.distributed import Distributed, all_reduce
@@ -90,12 +91,18 @@ class Reporter:
         self.tokens_per_step = config.training.batch_size * config.model.context_length
         self.logger: MetricsLogger | None = None
 
-    def open(self, parameters: int, budget: TimeBudget, step: int, elapsed_s: float) -> None:
-        """Announce the session (the plan, its warnings, what it trains) and open the metrics log with a
-        `setup` record of what this session runs with."""
+    def open(
+        self, parameters: int, tokenizer: Tokenizer | None, budget: TimeBudget, step: int, elapsed_s: float
+    ) -> None:
+        """Lay out the run directory (its config, with a note of what "auto" resolved to, and its copy of the
+        tokenizer), announce the session (the plan, its warnings, what it trains) and open the metrics log
+        with a `setup` record of what this session runs with."""
         if not self.dist.is_main:
             return
         choices, config, t = self.choices, self.config, self.config.training
+        precision = choices.precision
+        resolved = f"resolved to {precision.value!r} on {choices.profile.name}: {precision.reason}"
+        self.run_dir.create(config.to_toml(notes={"training.precision": resolved}), tokenizer)
         console.print(choices.summary(), markup=False, highlight=False)
         for warning in choices.warnings:
             console.print(f"warning: {warning}", style="yellow", markup=False)
@@ -175,6 +182,16 @@ class Reporter:
             f"checkpoint in {self.run_dir.checkpoints_dir}"
             + ("" if summary.stopped is StopReason.FINISHED else " (continue with --resume)")
         )
+
+    def already_finished(self, step: int, without_losses: RunSummary) -> RunSummary:
+        """A resumed run with no steps left: its summary is the one it wrote when it ended (or, if that is
+        missing or from an earlier step, `without_losses`, since the losses were not kept)."""
+        summary = self.run_dir.summary()
+        if summary is None or summary.steps != step:
+            summary = without_losses
+        if self.dist.is_main:
+            console.print(f"run already finished at step {step}: nothing to train in {self.run_dir}")
+        return summary
 
     def close(self) -> None:
         if self.logger is not None:

@@ -13,8 +13,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from scratchlm.console import console
 from scratchlm.errors import Interrupted
+from scratchlm.training.distributed import all_reduce
 
 
 class StopRequest:
@@ -40,6 +43,17 @@ class StopRequest:
             f"{signal.Signals(signum).name}: stopping after this step to save a checkpoint (again to abort)",
             style="yellow",
         )
+
+    def agreed(self, over_budget: bool, device: torch.device) -> tuple[int, bool]:
+        """The signal that asks to stop (0: none) and whether the time budget is spent, as every process sees
+        them: under torchrun a signal that reached any process stops them all, and so does a budget one
+        process found spent (a collective: every process calls it at the same steps)."""
+        signum = self.signum or 0
+        if not self.distributed:
+            return signum, over_budget
+        agreed = all_reduce(torch.tensor([signum, over_budget], dtype=torch.float32, device=device), "max")
+        signum, spent = (int(value) for value in agreed.tolist())
+        return signum, bool(spent)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from scratchlm.device import Plan
 from scratchlm.errors import DivergedError
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
 from scratchlm.training.budget import TimeBudget
 from scratchlm.training.config import TrainConfig
@@ -58,6 +60,7 @@ class TrainStep:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.train_model, self.forward_model = train_model, forward_model
         self.autocast, self.fused_loss = choices.autocast(), choices.fused_loss.value
+        self.precision = choices.precision.value
         self.context = config.model.context_length
         self.micro_batch = t.batch_size // dist.world_size // t.grad_accum
         self.eval_batch = config.eval.batch_size or t.batch_size
@@ -110,6 +113,28 @@ class TrainStep:
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def checkpoint(
+        self, step: int, data_rng: dict[str, Any], elapsed_s: float, budget: TimeBudget
+    ) -> Checkpoint:
+        """Everything that continues the run exactly after `step` steps: the model, the optimizer, the RNG
+        states (`data_rng`: the sampling generator's after `step` steps), the time, the precision, the time
+        budget's decision and, in fp16, the loss scale."""
+        cuda = self.device.type == "cuda"
+        return Checkpoint.of(
+            self.model,
+            step,
+            optimizer=self.optimizer.state_dict(),
+            train_config=self.config.to_dict(),
+            data_rng=data_rng,
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state(self.device) if cuda else None,
+            elapsed_s=elapsed_s,
+            tokens=step * self.config.training.batch_size * self.context,
+            precision=self.precision,
+            time_budget=None if budget.decision is None else budget.decision.to_dict(),
+            loss_scale=self.scaler.state_dict() if self.scaler.enabled else None,
+        )
 
     @torch.no_grad()
     def validation_loss(self, tokens: np.ndarray) -> float:

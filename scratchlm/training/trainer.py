@@ -24,6 +24,7 @@ in it and returns the summary it wrote.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,6 @@ from scratchlm.device import Plan, apply_threads, plan, resolve_device
 from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.training.config import TrainConfig
@@ -86,9 +86,8 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
             )
         data = load_training_data(config, run_dir)
         with run_dir.lock() if dist_info.is_main else contextlib.nullcontext():
-            run = build_session(
-                config, run_dir, data, dist_info, device, choices, resume, allow_config_change
-            )
+            session = Session(config, run_dir, data, dist_info, device, choices)
+            run = build_session(session, resume, allow_config_change)
             summary = run.run()
         finished = True
         return summary
@@ -123,18 +122,24 @@ def build_execution(
     return Execution(forward_model, train_model)
 
 
-def build_session(
-    config: TrainConfig,
-    run_dir: RunDirectory,
-    data: TrainingData,
-    dist: Distributed,
-    device: torch.device,
-    choices: Plan,
-    resume: bool,
-    allow_config_change: bool = False,
-) -> _Run:
+@dataclass(frozen=True)
+class Session:
+    """What a session is given: the config, the run directory, the data, the processes, the device and the
+    plan for it."""
+
+    config: TrainConfig
+    run_dir: RunDirectory
+    data: TrainingData
+    dist: Distributed
+    device: torch.device
+    choices: Plan
+
+
+def build_session(session: Session, resume: bool, allow_config_change: bool = False) -> _Run:
     """The components of one session, each from its function, in the order that keeps runs reproducible:
     the model's weights are drawn, then the optimizer made, then a checkpoint (or `init_from`) loaded."""
+    config, run_dir, data = session.config, session.run_dir, session.data
+    dist, device, choices = session.dist, session.device, session.choices
     model = build_model(config, device)
     optimizer = build_optimizer(config.optimizer, model, precision=choices.precision.value)
     progress = restore(config, run_dir, model, optimizer, device, dist, resume, allow_config_change)
@@ -155,39 +160,27 @@ def build_session(
         choices,
         scaler,
     )
-    return _Run(config, run_dir, data, dist, device, choices, model, stepper, progress)
+    return _Run(session, model, stepper, progress)
 
 
 class _Run:
     """One session of a run: its components (built by `build_session`), then `run()`, the loop."""
 
     def __init__(
-        self,
-        config: TrainConfig,
-        run_dir: RunDirectory,
-        data: TrainingData,
-        dist: Distributed,
-        device: torch.device,
-        choices: Plan,
-        model: TransformerLM,
-        stepper: TrainStep,
-        progress: Progress,
+        self, session: Session, model: TransformerLM, stepper: TrainStep, progress: Progress
     ) -> None:
-        self.config, self.run_dir, self.data, self.dist, self.device = config, run_dir, data, dist, device
-        self.choices, self.model, self.stepper = choices, model, stepper
+        self.config, self.run_dir, self.data = session.config, session.run_dir, session.data
+        self.dist, self.device, self.choices = session.dist, session.device, session.choices
+        self.model, self.stepper = model, stepper
         self.step, self.last_saved = progress.step, progress.last_saved  # last_saved: the newest checkpoint's
-        self.generator, self.elapsed_before, self.budget = (
-            progress.generator,
-            progress.elapsed_s,
-            progress.budget,
-        )
+        self.generator, self.budget = progress.generator, progress.budget
+        self.elapsed_before = progress.elapsed_s
         self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
         self.in_update = False
-        self.report = Reporter(config, dist, run_dir, choices)
+        self.report = Reporter(self.config, self.dist, self.run_dir, self.choices)
         self.tokens_per_step = self.report.tokens_per_step
-        # What this session has seen so far; `run` starts the clock.
-        self.start_step = self.step
-        self.stop = StopRequest(dist.enabled)
+        self.start_step = self.step  # what this session has seen so far; `run` starts the clock
+        self.stop = StopRequest(self.dist.enabled)
         self.stop_signal = 0  # the signal that interrupted the run, once the processes agree on one
         self.stopped = StopReason.FINISHED
         self.final_train_loss: float | None = None
@@ -205,10 +198,8 @@ class _Run:
                     while self.step < self.budget.total_steps:
                         self.interval.add(*self._take_step())
                         self._observe_budget()
-                        at_log = (
-                            self.step % config.logging.log_interval == 0
-                            or self.step == self.budget.total_steps
-                        )
+                        last = self.step == self.budget.total_steps
+                        at_log = self.step % config.logging.log_interval == 0 or last
                         at_eval = config.eval.interval and self.step % config.eval.interval == 0
                         at_save = config.checkpoint.interval and self.step % config.checkpoint.interval == 0
                         if at_log or at_save:  # a checkpoint is written only after this finiteness check
@@ -250,13 +241,8 @@ class _Run:
 
     def _start(self) -> None:
         """Write the run's config, announce the run, open the metrics log and start the clocks."""
-        if self.dist.is_main:
-            choices = self.choices
-            resolved = f"resolved to {choices.precision.value!r} on {choices.profile.name}: {choices.precision.reason}"
-            self.run_dir.create(
-                self.config.to_toml(notes={"training.precision": resolved}), self.data.tokenizer
-            )
-        self.report.open(self.model.num_parameters(), self.budget, self.step, self.elapsed_before)
+        parameters = self.model.num_parameters()
+        self.report.open(parameters, self.data.tokenizer, self.budget, self.step, self.elapsed_before)
         self.session_start = clock()
         self.interval = Interval(self.device, clock)
         self.threads = ThreadTuner(self.choices.threads, compiled=self.choices.compile.value)
@@ -314,12 +300,7 @@ class _Run:
         at log steps: a signal that reached any one of them stops them all, as an interruption."""
         if self.dist.enabled and not at_log:
             return False
-        signum, over_budget = self.stop.signum or 0, self.budget.spent(self._elapsed())
-        if self.dist.enabled:
-            agreed = all_reduce(
-                torch.tensor([signum, over_budget], dtype=torch.float32, device=self.device), "max"
-            )
-            signum, over_budget = (int(value) for value in agreed.tolist())
+        signum, over_budget = self.stop.agreed(self.budget.spent(self._elapsed()), self.device)
         if signum:
             self.stopped, self.stop_signal = StopReason.INTERRUPTED, signum
         elif over_budget:
@@ -331,22 +312,9 @@ class _Run:
         if not self.dist.is_main:
             return None
         path = self.run_dir.checkpoint(self.step)
-        scaler, tokenizer = self.stepper.scaler, self.data.tokenizer
-        Checkpoint.of(
-            self.model,
-            self.step,
-            optimizer=self.stepper.optimizer.state_dict(),
-            train_config=self.config.to_dict(),
-            tokenizer_fingerprint=None if tokenizer is None else tokenizer.fingerprint,
-            data_rng=self.committed_rng,
-            torch_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            elapsed_s=self._elapsed(),
-            tokens=self.step * self.tokens_per_step,
-            precision=self.choices.precision.value,
-            time_budget=None if self.budget.decision is None else self.budget.decision.to_dict(),
-            loss_scale=scaler.state_dict() if scaler.enabled else None,
-        ).save(path)
+        fingerprint = None if self.data.tokenizer is None else self.data.tokenizer.fingerprint
+        checkpoint = self.stepper.checkpoint(self.step, self.committed_rng, self._elapsed(), self.budget)
+        dataclasses.replace(checkpoint, tokenizer_fingerprint=fingerprint).save(path)
         self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
         return path
 
@@ -378,8 +346,7 @@ class _Run:
     def _finish(self) -> RunSummary:
         """Write and print the summary; an interrupted run then raises `Interrupted` with its signal (a
         diverged one is ended by its `DivergedError`, which the caller re-raises)."""
-        session_time = clock() - self.session_start
-        tokens_per_s = (self.step - self.start_step) * self.tokens_per_step / session_time
+        tokens_per_s = (self.step - self.start_step) * self.tokens_per_step / (clock() - self.session_start)
         summary = self._summary(self._elapsed(), tokens_per_s)
         self.report.summary(summary)
         if self.stopped is StopReason.INTERRUPTED:
@@ -387,24 +354,12 @@ class _Run:
         return summary
 
     def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> RunSummary:
+        losses = {"final_train_loss": self.final_train_loss, "final_val_loss": self.final_val_loss}
         return RunSummary(
-            run_dir=str(self.run_dir),
-            steps=self.step,
-            tokens=self.step * self.tokens_per_step,
-            wall_time_s=wall_time_s,
-            final_train_loss=self.final_train_loss,
-            final_val_loss=self.final_val_loss,
-            tokens_per_s=tokens_per_s,
-            parameters=self.model.num_parameters(),
-            stopped=self.stopped,
-        )
+            str(self.run_dir), self.step, self.step * self.tokens_per_step, wall_time_s, **losses,
+            tokens_per_s=tokens_per_s, parameters=self.model.num_parameters(), stopped=self.stopped,
+        )  # fmt: skip
 
     def _already_finished(self) -> RunSummary:
-        """A resumed run with no steps left is left as it is; its summary is the one it wrote when it ended
-        (or, if that is missing or from an earlier step, one without the losses, which were not kept)."""
-        summary = self.run_dir.summary()
-        if summary is None or summary.steps != self.step:
-            summary = self._summary(wall_time_s=self.elapsed_before, tokens_per_s=None)
-        if self.dist.is_main:
-            console.print(f"run already finished at step {self.step}: nothing to train in {self.run_dir}")
-        return summary
+        """A resumed run with no steps left is left as it is (see `Reporter.already_finished`)."""
+        return self.report.already_finished(self.step, self._summary(self.elapsed_before, None))
