@@ -232,6 +232,12 @@ class Checkpoint:
     imported_from: str | None = None  # the directory an imported model was read from
     loss_scale: dict[str, Any] | None = None  # fp16: the loss scaler's state (scratchlm.training.loss_scale)
 
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """The tokenizer directory the run's training config named (`data.tokenizer`), if any."""
+        data = self.train_config.get("data") or {}
+        return data.get("tokenizer") or None
+
     @classmethod
     def of(cls, model: torch.nn.Module, step: int, **fields: Any) -> Checkpoint:
         """The checkpoint of `model` (unwrapped from compile / DDP) at `step`, with `fields`."""

@@ -34,6 +34,7 @@ class TrainedModel:
     train_config: dict[str, Any]  # the checkpoint's training config (empty when it has none)
     tokenizer_fingerprint: str | None  # that of the tokenizer the model was trained with, when recorded
     precision: str | None = None  # what its training's precision resolved to, when recorded
+    recorded_tokenizer: str | None = None  # the tokenizer directory its training config named, if any
 
 
 def find_checkpoint(source: str | os.PathLike) -> tuple[Path, RunDirectory | None]:
@@ -69,7 +70,7 @@ def load_trained(
         if tokenizer is None and run is not None:
             candidates.append(run.tokenizer_dir)
         if tokenizer is None:
-            candidates.append(trained.train_config.get("data", {}).get("tokenizer"))
+            candidates.append(trained.recorded_tokenizer)
         found = next((Path(c) for c in candidates if c and Path(c).is_dir()), None)
         if tokenizer is not None and found is None:
             raise ScratchlmError(f"tokenizer directory {tokenizer} not found")
@@ -86,7 +87,13 @@ def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> T
     checkpoint.load_into(model)
     model.eval()
     return TrainedModel(
-        model, None, path, checkpoint.train_config, checkpoint.tokenizer_fingerprint, checkpoint.precision
+        model,
+        None,
+        path,
+        checkpoint.train_config,
+        checkpoint.tokenizer_fingerprint,
+        checkpoint.precision,
+        checkpoint.tokenizer_dir,
     )
 
 
