@@ -74,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     # generation and experiments
     "generate": "scratchlm.generation.generate",
     "generate_stream": "scratchlm.generation.generate",
+    "SamplingOptions": "scratchlm.generation.sampling",
     "plot_runs": "scratchlm.experiments.plot",
     "run_sweep": "scratchlm.experiments.sweep",
 }

@@ -46,12 +46,12 @@ from scratchlm.device import plan, resolve_device
 from scratchlm.errors import ScratchlmError
 from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
-from scratchlm.generation.generate import generate
+from scratchlm.generation.generate import generate_stream
 from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
 from scratchlm.run.load import TrainedModel
 from scratchlm.tokenizer import END_OF_TEXT
-from scratchlm.training.budget import CALIBRATION_STEPS, fit_steps
+from scratchlm.training.budget import CALIBRATION_STEPS
 from scratchlm.training.config import TrainConfig, config_changes
 from scratchlm.training.recipes import RECIPES as TRAINING_RECIPES
 from scratchlm.training.recipes import merged
@@ -245,7 +245,10 @@ def quickstart(
     eos = tokenizer.eos_id
     generator = torch.Generator(device=device).manual_seed(0)
     for prompt in PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt"):
-        new_ids = generate(
+        console.rule(f"prompt {prompt!r}")
+        console.out(prompt, end="")  # `out`: the text as it is, never read as markup or emoji codes
+        sample = tokenizer.detokenizer()
+        stream = generate_stream(
             model,
             tokenizer.encode(prompt),
             size.sample_tokens,
@@ -254,9 +257,12 @@ def quickstart(
             eos_id=eos,
             generator=generator,
         )
-        ended = bool(new_ids) and new_ids[-1] == eos
-        console.rule(f"prompt {prompt!r}")
-        console.print(prompt + tokenizer.decode(new_ids[:-1] if ended else new_ids), markup=False)
+        ended = False
+        for token in stream:  # shown as it is sampled
+            ended = token == eos
+            if not ended:
+                console.out(sample.add(token), end="")
+        console.out(sample.flush())
         if ended:
             console.print("(end of document)", style="dim")
     console.rule()
@@ -367,17 +373,6 @@ def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
             f"{run} holds a model trained with another recipe or size than --recipe {recipe} "
             f"({'; '.join(changes)}); use another --out, or delete it to train again"
         )
-
-
-def steps_that_fit(run_dir: Path, measured: RunSummary, seconds: float, tokens_per_step: int) -> int:
-    """The total step count that fills `seconds` after a run that ended as `measured`, at the median speed of
-    its logged intervals after the first (which includes start-up work such as compilation): the trainer's
-    own rule (`scratchlm.training.budget.fit_steps`), from a finished run's metrics."""
-    rates = [r["tokens_per_s"] for r in read_metrics(run_dir) if "tokens_per_s" in r][1:]
-    if not rates:
-        return measured.steps
-    step_s = tokens_per_step / float(np.median(rates))
-    return fit_steps(measured.steps, measured.wall_time_s, seconds, step_s)
 
 
 def _stage(number: int, title: str) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.generation.generate import generate, generate_stream
+from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.transformer import TransformerLM
 
 VOCAB, CONTEXT = 61, 16
@@ -160,6 +161,54 @@ def test_bad_input_is_a_user_error(prompt: list, options: dict, message: str) ->
         generate(model, prompt, **kwargs)
 
 
+def test_options_give_the_same_tokens_as_the_keywords() -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
+    options = SamplingOptions(30, temperature=0.9, top_p=0.95, top_k=7, seed=5)
+    keywords = dict(temperature=0.9, top_p=0.95, top_k=7)
+    expected = generate(model, prompts, 30, generator=torch.Generator().manual_seed(5), **keywords)
+    assert generate(model, prompts, options=options) == expected  # its seed seeds the call's generator
+    assert generate(model, prompts, options=options) == expected  # ... afresh on every call
+    first = prompts[0].tolist()
+    alone = generate(model, first, 30, generator=torch.Generator().manual_seed(5), **keywords)
+    assert list(generate_stream(model, first, options=options)) == alone
+    # A generator given draws instead of the seed (its state carries on, as across the CLI's samples).
+    other = generate(model, prompts, 30, generator=torch.Generator().manual_seed(6), **keywords)
+    assert generate(model, prompts, options=options, generator=torch.Generator().manual_seed(6)) == other
+    assert other != expected
+
+
+def test_top_k_of_one_is_greedy_at_any_temperature() -> None:
+    model = tiny_model()
+    prompts = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(11))
+    sampled = generate(
+        model, prompts, 40, temperature=2.0, top_k=1, generator=torch.Generator().manual_seed(0)
+    )
+    assert sampled == reference_generate(model, prompts, 40, temperature=0)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"options": SamplingOptions(3), "temperature": 0.5}, "not both"),
+        ({"options": SamplingOptions(3), "max_new_tokens": 3}, "not both"),
+        ({"options": SamplingOptions(3, stop=["."])}, "stop strings"),
+        ({}, "needs max_new_tokens"),
+    ],
+)
+def test_options_and_keywords_do_not_mix(arguments: dict, message: str) -> None:
+    model = tiny_model()
+    with pytest.raises(ScratchlmError, match=message):
+        generate(model, [1, 2], **arguments)
+    with pytest.raises(ScratchlmError, match=message):
+        list(generate_stream(model, [1, 2], **arguments))
+
+
+def test_generate_stream_names_an_unknown_keyword() -> None:
+    with pytest.raises(ScratchlmError, match="unknown option 'temprature'.*temperature"):
+        list(generate_stream(tiny_model(), [1, 2], 3, temprature=0.5))
+
+
 # -- the command line --------------------------------------------------------------------------------------
 
 
@@ -239,9 +288,18 @@ def test_cli_bad_input_is_one_line(trained_files, tmp_path, capsys: pytest.Captu
     assert "Traceback" not in errors and errors.count("error:") == 3
 
 
-@pytest.mark.parametrize("option", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "0"]])
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-k", "0"], "--top-k must be a positive integer (or None for no limit), got 0"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be an integer >= 0, got -1"),
+        (["--seed", str(2**64)], "--seed must be an integer of 64 bits"),
+    ],
+)
 def test_cli_checks_sampling_options_before_printing_anything(
-    trained_files, capsys: pytest.CaptureFixture, option: list[str]
+    trained_files, capsys: pytest.CaptureFixture, option: list[str], message: str
 ) -> None:
     from scratchlm.cli import main
 
@@ -250,7 +308,7 @@ def test_cli_checks_sampling_options_before_printing_anything(
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # the prompt is not echoed before the refusal
-    assert captured.err.count("\n") == 1 and option[0] in captured.err
+    assert captured.err.count("\n") == 1 and message in captured.err  # named as the flag is spelt
 
 
 def test_cli_names_a_missing_run_directory_as_such(tmp_path, capsys: pytest.CaptureFixture) -> None:

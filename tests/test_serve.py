@@ -1,9 +1,11 @@
 """`scratchlm serve`: a real server on 127.0.0.1 driven by the real `openai` client (and raw HTTP for what the
 client would not send). The oracles: `generate_stream` for the tokens (greedy, alone and among 16 concurrent
-requests; seeded sampling), `torch.log_softmax` of the model's own logits for `logprobs` and `echo`."""
+requests; seeded sampling, with top-p and top-k), `torch.log_softmax` of the model's own logits for `logprobs`
+and `echo`."""
 
 from __future__ import annotations
 
+import html.parser
 import http.client
 import json
 import os
@@ -26,8 +28,10 @@ openai = pytest.importorskip("openai", reason="openai not installed (the test or
 from interop_helpers import make_run, scratch_model, small_tokenizer  # noqa: E402
 
 from scratchlm.generation.generate import generate_stream  # noqa: E402
+from scratchlm.generation.sampling import SamplingOptions  # noqa: E402
 from scratchlm.model.config import ModelConfig  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
+from scratchlm.serving.api import APIError, parse_completion_request  # noqa: E402
 from scratchlm.serving.engine import Engine  # noqa: E402
 from scratchlm.serving.server import build_server  # noqa: E402
 from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
@@ -85,12 +89,18 @@ class Running:
         return out
 
 
+def in_flight(engine: Engine) -> int:
+    """Sequences in the engine's batch or waiting for it, read under its lock as the scheduler changes them."""
+    with engine._lock:
+        return len(engine._active) + len(engine._pending)
+
+
 def idle_after(engine: Engine, limit: float) -> float:
     """Seconds until the engine has no sequence left (at most `limit`, then the test fails on the count)."""
     started = time.monotonic()
-    while engine.active_count and time.monotonic() - started < limit:
+    while in_flight(engine) and time.monotonic() - started < limit:
         time.sleep(0.005)
-    assert engine.active_count == 0
+    assert in_flight(engine) == 0
     return time.monotonic() - started
 
 
@@ -199,6 +209,84 @@ def test_seeded_sampling_is_reproducible_and_equals_generate(server) -> None:
     assert token_ids(first) == oracle
     streamed = server.client.completions.create(seed=7, stream=True, **options)
     assert "".join(chunk.choices[0].text for chunk in streamed) == first.text
+
+
+def sampled_ids(
+    server, prompt: str, seed: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None
+) -> list[int]:
+    """The token ids of a 24-token completion, `top_k` sent as vLLM takes it: an extra field of the body."""
+    extra = {"return_tokens_as_token_ids": True, "top_k": top_k}
+    choice = server.client.completions.create(
+        model=server.name,
+        prompt=prompt,
+        max_tokens=24,
+        seed=seed,
+        temperature=temperature,
+        top_p=top_p,
+        logprobs=0,
+        extra_body=extra,
+    ).choices[0]
+    return token_ids(choice)
+
+
+def test_top_k_reaches_the_engine_and_equals_generate(server) -> None:
+    """Seeded, the tokens of `generate_stream(top_k=...)` with that seed; top-k 1 is greedy at any
+    temperature; vLLM's -1 and 0 are no limit."""
+    prompt = "The cat sat"
+    oracle = server.expected(prompt, 24, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
+    assert sampled_ids(server, prompt, 7, top_k=5) == oracle
+    assert sampled_ids(server, prompt, 7) != oracle  # top-k changed what was drawn
+    assert sampled_ids(server, prompt, 7, top_k=1) == server.expected(prompt, 24, temperature=0)
+    assert sampled_ids(server, prompt, 7, top_k=-1) == sampled_ids(server, prompt, 7, top_k=0)
+    assert sampled_ids(server, prompt, 7, top_k=0) == sampled_ids(server, prompt, 7)
+
+
+def test_rows_with_different_settings_share_the_batch_and_each_equals_generate(server) -> None:
+    """Concurrent requests whose temperature, top-p and top-k differ (some alike, which the engine samples
+    together): each gets `generate_stream`'s tokens with its own settings and seed."""
+    settings = [
+        (1.0, 1.0, None),
+        (1.0, 1.0, 4),
+        (0.7, 0.9, 4),
+        (0.7, 0.9, None),
+        (0.0, 1.0, 3),
+        (1.0, 1.0, 4),
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(settings))]
+
+    def ask(i: int) -> list[int]:
+        return sampled_ids(server, prompts[i], 100 + i, *settings[i])
+
+    with ThreadPoolExecutor(len(settings)) as pool:
+        got = list(pool.map(ask, range(len(settings)), timeout=TIMEOUT))
+    for i, (temperature, top_p, top_k) in enumerate(settings):
+        generator = torch.Generator().manual_seed(100 + i)
+        expected = server.expected(
+            prompts[i], 24, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+        )
+        assert got[i] == expected, i
+
+
+def test_the_sampling_fields_keep_their_messages_and_parameters() -> None:
+    """A field out of range is named as the API names it, with `SamplingOptions`'s reason."""
+
+    def refusal(body: dict) -> tuple[str, str | None]:
+        with pytest.raises(APIError) as caught:
+            parse_completion_request({"prompt": "a", **body}, "m", CONTEXT)
+        return caught.value.message, caught.value.param
+
+    temperature = "temperature must be a finite number >= 0 (0 = greedy), got -0.5"
+    assert refusal({"temperature": -0.5}) == (temperature, "temperature")
+    assert refusal({"top_p": 1.5}) == ("top_p must be in (0, 1], got 1.5", "top_p")
+    top_k = "top_k must be a positive integer (or None for no limit), got -2"
+    assert refusal({"top_k": -2}) == (top_k, "top_k")
+    assert refusal({"top_k": "5"}) == ("'top_k' must be an integer, got \"5\"", "top_k")
+    max_tokens = f"'max_tokens' must be between 0 and the context length {CONTEXT}, got -1"
+    assert refusal({"max_tokens": -1}) == (max_tokens, "max_tokens")
+    body = {"prompt": "a", "stop": "\n", "top_k": 3, "temperature": 0, "seed": None}
+    parsed = parse_completion_request(body, "m", CONTEXT).options
+    assert parsed == SamplingOptions(16, temperature=0.0, top_k=3, stop=("\n",))  # OpenAI's max_tokens
+    assert parse_completion_request({"prompt": "a", "top_k": -1}, "m", CONTEXT).options.top_k is None
 
 
 def test_n_and_a_list_of_prompts(server) -> None:
@@ -335,6 +423,10 @@ BAD_BODIES = [
     (json.dumps({"prompt": "a", "logprobs": 6}).encode(), 400, "logprobs"),
     (json.dumps({"prompt": "a", "stop": [""]}).encode(), 400, "stop"),
     (json.dumps({"prompt": "a", "seed": "x"}).encode(), 400, "seed"),
+    (json.dumps({"prompt": "a", "seed": 2**64}).encode(), 400, "seed"),
+    (json.dumps({"prompt": "a", "top_k": "5"}).encode(), 400, "top_k"),
+    (json.dumps({"prompt": "a", "top_k": 1.5}).encode(), 400, "top_k"),
+    (json.dumps({"prompt": "a", "top_k": -2}).encode(), 400, "top_k"),
     (json.dumps({"prompt": "a " * 200}).encode(), 400, "prompt"),  # longer than the context
     (json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model"),
     (json.dumps({"prompt": "a" * (1 << 20)}).encode(), 413, None),
@@ -401,7 +493,7 @@ def test_a_client_that_disconnects_frees_its_place_at_once(slow_server) -> None:
     response = connection.getresponse()
     assert response.status == 200
     assert response.readline().startswith(b"data: ")
-    assert slow_server.engine.active_count == 1
+    assert in_flight(slow_server.engine) == 1
     connection.close()
     # 60 tokens at 20 ms each would take over a second; the place is free within a few steps.
     assert idle_after(slow_server.engine, 1.0) < 0.3
@@ -415,7 +507,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_place(slow_server) ->
     connection.request("POST", "/v1/completions", json.dumps(body), {"Authorization": "Bearer sesame"})
     with pytest.raises(TimeoutError):
         connection.getresponse()
-    assert slow_server.engine.active_count == 1
+    assert in_flight(slow_server.engine) == 1
     connection.close()
     assert idle_after(slow_server.engine, 1.0) < 0.3
 
@@ -498,6 +590,31 @@ def test_the_command_says_what_to_install_without_the_extra(run_dir, monkeypatch
     assert "pip install 'scratchlm[serve]'" in message and "uvicorn" in message
 
 
+class PageInputs(html.parser.HTMLParser):
+    """The attributes of a page's `<input>` elements, in the order of the page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[dict[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "input":
+            self.inputs.append(dict(attrs))
+
+
+def test_the_page_has_a_top_k_control_beside_temperature_and_top_p(server) -> None:
+    """Without a browser: the control is on the page and the script sends it (the Chromium test below
+    drives it)."""
+    page = PageInputs()
+    page.feed(request(server.url, "GET", "/").text)
+    ids = [attributes.get("id") for attributes in page.inputs]
+    assert ids[ids.index("temperature") :][:3] == ["temperature", "top-p", "top-k"]
+    top_k = page.inputs[ids.index("top-k")]
+    assert top_k["type"] == "number" and top_k["min"] == "1" and top_k.get("value") is None  # empty: no limit
+    script = request(server.url, "GET", "/static/app.js").text
+    assert 'body.top_k = Number($("top-k").value)' in script
+
+
 def chromium_driver(width: int = 420, height: int = 860):
     """Headless Chromium through Selenium and chromium-driver (Debian's packages; nothing is downloaded)."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
@@ -525,7 +642,9 @@ def test_the_page_streams_a_completion_in_chromium(server) -> None:
         prompt = browser.find_element(By.ID, "prompt")
         prompt.clear()
         prompt.send_keys("The cat sat")
-        for field, value in (("max-tokens", "30"), ("temperature", "0")):
+        # Sampling at temperature 1 among the top 1 token: the greedy text, whatever is drawn, if and only if
+        # the page sent top-k and the server applied it.
+        for field, value in (("max-tokens", "30"), ("temperature", "1"), ("top-k", "1")):
             browser.find_element(By.ID, field).clear()
             browser.find_element(By.ID, field).send_keys(value)
         browser.find_element(By.ID, "generate").click()

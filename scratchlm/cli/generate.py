@@ -1,9 +1,10 @@
 """`scratchlm generate --run DIR --prompt "Once upon a time"`: sample text from a trained model, streamed.
 
-The text is printed as it is produced. Tokens are decoded through an incremental UTF-8 decoder, because one
-token can end in the middle of a multi-byte character that the next token completes; the decoder holds those
-bytes back until the character is whole. Each sample ends at `<|endoftext|>` or after `--max-new-tokens`, and
-is followed (on stderr) by its token count and speed.
+The text is printed as it is produced, through the tokenizer's `Detokenizer`, because one token can end in the
+middle of a multi-byte character that the next token completes; it holds those bytes back until the character
+is whole. Each sample ends at `<|endoftext|>` or after `--max-new-tokens`, and is followed (on stderr) by its
+token count and speed. With `--seed`, the samples are drawn one after the other from one generator seeded
+with it.
 """
 
 from __future__ import annotations
@@ -40,24 +41,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import codecs
     import sys
     import time
-
-    import torch
 
     from scratchlm.console import console
     from scratchlm.errors import ScratchlmError
     from scratchlm.generation.generate import generate_stream
-    from scratchlm.generation.sampling import check_sampling_options
+    from scratchlm.generation.sampling import InvalidOption, SamplingOptions
     from scratchlm.tokenizer import END_OF_TEXT
 
     # Every option is checked before anything is loaded or printed.
-    check_sampling_options(args.temperature, args.top_p, args.top_k, prefix="--")
+    try:
+        options = SamplingOptions(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    except InvalidOption as e:  # named as the flag: --top-p, not top_p
+        raise ScratchlmError(f"--{e.option.replace('_', '-')} {e.reason}") from None
     if args.num_samples < 1:
         raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
-    if args.max_new_tokens < 0:
-        raise ScratchlmError(f"--max-new-tokens must be at least 0, got {args.max_new_tokens}")
     trained, _ = load_for_inference(args, require_tokenizer=True)
     model, tokenizer = trained.model, trained.tokenizer
     device = next(model.parameters()).device
@@ -69,27 +74,18 @@ def run(args: argparse.Namespace) -> None:
                 f"give a --prompt: the tokenizer has no {END_OF_TEXT} to start a document with"
             )
         prompt_ids = [eos_id]  # an empty prompt starts a fresh document, as after a document boundary
-    generator = torch.Generator(device=device)
-    if args.seed is not None:
-        generator.manual_seed(args.seed)
-    else:
-        generator.seed()
-
-    replacement = "\ufffd".encode()
+    generator = options.generator(device)
     for sample in range(args.num_samples):
         if args.num_samples > 1:
             console.rule(f"sample {sample + 1}/{args.num_samples}")
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = tokenizer.detokenizer()
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
         count, start = 0, time.perf_counter()
         stream = generate_stream(
             model,
             prompt_ids,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            options=options,
             eos_id=eos_id,
             generator=generator,
             use_cache=not args.no_cache,
@@ -98,9 +94,9 @@ def run(args: argparse.Namespace) -> None:
             count += 1
             if token == eos_id:
                 break
-            sys.stdout.write(decoder.decode(tokenizer.vocab.get(token, replacement)))
+            sys.stdout.write(text.add(token))
             sys.stdout.flush()
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        sys.stdout.write(text.flush() + "\n")
         sys.stdout.flush()
         seconds = time.perf_counter() - start
         ending = END_OF_TEXT if count and token == eos_id else "token budget"

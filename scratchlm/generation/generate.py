@@ -16,6 +16,9 @@ positions.
 A batch of prompts (a 2-D tensor; rows of equal length) is generated together. A row that produces `eos_id`
 stops growing: its later positions are still computed with the batch but never sampled into the output, and the
 loop ends as soon as every row has finished or the token budget is spent.
+
+The sampling settings come as keywords (`temperature=0.8, top_p=0.9`) or as one `SamplingOptions` (`options=`),
+the type the server and the command line hold them in; either way they are checked by `SamplingOptions`.
 """
 
 from __future__ import annotations
@@ -29,22 +32,12 @@ from jaxtyping import Int
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.generation.sampling import check_sampling_options, sample_next_token
+from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.transformer import TransformerLM
 
 
-def _prepare(
-    model: TransformerLM,
-    prompt_ids: Sequence[int] | Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int | None,
-) -> Int[Tensor, "batch seq"]:
-    """Check the options; the prompt(s) as a (batch, seq) int64 tensor on the model's device."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ScratchlmError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    check_sampling_options(temperature, top_p, top_k)
+def _prepare(model: TransformerLM, prompt_ids: Sequence[int] | Tensor) -> Int[Tensor, "batch seq"]:
+    """The prompt(s) as a (batch, seq) int64 tensor on the model's device, checked."""
     try:
         prompts = torch.as_tensor(prompt_ids)
     except (ValueError, TypeError) as e:  # ragged rows, or something that is not numbers
@@ -68,31 +61,55 @@ def _prepare(
     return prompts.to(device=next(model.parameters()).device, dtype=torch.long)
 
 
+def _sampling_options(
+    max_new_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    top_k: int | None,
+    options: SamplingOptions | None,
+) -> SamplingOptions:
+    """The settings of a call: `options`, or the keywords made into `SamplingOptions` (never both)."""
+    keywords = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if options is None:
+        if max_new_tokens is None:
+            raise ScratchlmError("generation needs max_new_tokens (or options=SamplingOptions(...))")
+        return SamplingOptions(**keywords)
+    if any(value != _DEFAULTS[name] for name, value in keywords.items()):
+        raise ScratchlmError(
+            "give the sampling settings as options=SamplingOptions(...) or as keywords, not both"
+        )
+    if options.stop:
+        raise ScratchlmError(
+            "generation works on token ids and cannot apply stop strings, which are found in text "
+            "(the server applies them); leave SamplingOptions.stop empty here"
+        )
+    return options
+
+
 @torch.no_grad()
 def _generation_steps(
     model: TransformerLM,
     prompts: Int[Tensor, "batch seq"],
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int | None,
+    options: SamplingOptions,
     eos_id: int | None,
     generator: torch.Generator | None,
     use_cache: bool,
 ) -> Iterator[tuple[Int[Tensor, " batch"], Tensor]]:
     """Yield `(next_tokens, active)` per step: the sampled ids and which rows were still generating."""
+    if generator is None and options.seed is not None:
+        generator = options.generator(prompts.device)
     context_length = model.config.context_length
     tokens = prompts
     active = torch.ones(prompts.shape[0], dtype=torch.bool, device=prompts.device)
     cache = model.new_kv_cache(prompts.shape[0]) if use_cache else None
-    for _ in range(max_new_tokens):
+    for _ in range(options.max_new_tokens):
         if cache is not None and tokens.shape[1] <= context_length:
             # Prefill on the first step (every prompt token), then one new position per step.
             logits = model(tokens[:, cache.length :], kv_cache=cache)
         else:
             cache = None  # the sequence outgrew the context: recompute on the sliding window from now on
             logits = model(tokens[:, -context_length:])
-        next_tokens = sample_next_token(logits[:, -1], temperature, top_p, top_k, generator)
+        next_tokens = options.sample(logits[:, -1], generator)
         yield next_tokens, active.clone()
         if eos_id is not None:
             active &= next_tokens != eos_id
@@ -104,13 +121,14 @@ def _generation_steps(
 def generate(
     model: TransformerLM,
     prompt_ids: Sequence[int] | Tensor,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    options: SamplingOptions | None = None,
 ) -> list[int] | list[list[int]]:
     """Generate up to `max_new_tokens` new token ids after `prompt_ids`; return only the new ids.
 
@@ -120,13 +138,15 @@ def generate(
     `top_k` filter the distribution (see `scratchlm.generation.sampling`); `generator` makes sampling
     reproducible. `use_cache=False` recomputes the model over the last `context_length` tokens at every step
     (same tokens, much slower; kept as the reference the cached path is tested and benchmarked against).
+
+    `options` gives the budget and sampling settings instead of `max_new_tokens`, `temperature`, `top_p` and
+    `top_k`; its `seed` seeds a generator for the call, unless `generator` is given (one whose state carries
+    on from an earlier call, as `scratchlm generate --num-samples` uses it).
     """
-    prompts = _prepare(model, prompt_ids, max_new_tokens, temperature, top_p, top_k)
+    options = _sampling_options(max_new_tokens, temperature, top_p, top_k, options)
+    prompts = _prepare(model, prompt_ids)
     outputs: list[list[int]] = [[] for _ in range(prompts.shape[0])]
-    steps = _generation_steps(
-        model, prompts, max_new_tokens, temperature, top_p, top_k, eos_id, generator, use_cache
-    )
-    for next_tokens, active in steps:
+    for next_tokens, active in _generation_steps(model, prompts, options, eos_id, generator, use_cache):
         for row, (token, is_active) in enumerate(zip(next_tokens.tolist(), active.tolist(), strict=True)):
             if is_active:
                 outputs[row].append(token)
@@ -135,27 +155,34 @@ def generate(
 
 
 def generate_stream(
-    model: TransformerLM, prompt_ids: Sequence[int] | Tensor, max_new_tokens: int, **options: Any
+    model: TransformerLM,
+    prompt_ids: Sequence[int] | Tensor,
+    max_new_tokens: int | None = None,
+    **keywords: Any,
 ) -> Iterator[int]:
-    """Like `generate` for one prompt, with the same keyword options (temperature, top_p, top_k, eos_id,
-    generator, use_cache), but yield each new token id as soon as it is sampled."""
-    for name in options:
-        if name not in _OPTIONS:
+    """Like `generate` for one prompt, with the same keywords (temperature, top_p, top_k, eos_id, generator,
+    use_cache, options), but yield each new token id as soon as it is sampled."""
+    for name in keywords:
+        if name not in _DEFAULTS:
             raise ScratchlmError(
-                f"generate_stream got an unknown option {name!r}; known: {', '.join(_OPTIONS)}"
+                f"generate_stream got an unknown option {name!r}; known: {', '.join(_DEFAULTS)}"
             )
-    settings = {**_OPTIONS, **options}
-    prompts = _prepare(
-        model, prompt_ids, max_new_tokens, settings["temperature"], settings["top_p"], settings["top_k"]
+    settings = {**_DEFAULTS, **keywords}
+    options = _sampling_options(
+        max_new_tokens, settings["temperature"], settings["top_p"], settings["top_k"], settings["options"]
     )
+    prompts = _prepare(model, prompt_ids)
     if prompts.shape[0] != 1:
         raise ScratchlmError(f"generate_stream takes one prompt, got a batch of {prompts.shape[0]}")
-    for next_tokens, _ in _generation_steps(model, prompts, max_new_tokens, **settings):
+    steps = _generation_steps(
+        model, prompts, options, settings["eos_id"], settings["generator"], settings["use_cache"]
+    )
+    for next_tokens, _ in steps:
         yield int(next_tokens[0])
 
 
-# The keyword options of `generate` with their defaults: `generate_stream` takes the same ones.
-_OPTIONS: dict[str, Any] = {
+# The keyword arguments of `generate` with their defaults: `generate_stream` takes the same ones.
+_DEFAULTS: dict[str, Any] = {
     name: parameter.default
     for name, parameter in inspect.signature(generate).parameters.items()
     if parameter.default is not inspect.Parameter.empty

@@ -14,9 +14,17 @@ implementations, so that settings carry over):
 `sample_next_token` draws from that distribution with an optional `torch.Generator`, so a seed reproduces the
 draw; greedy decoding draws nothing and leaves the generator untouched. `draw` is its last step alone, for
 rows whose distributions are computed together but drawn with generators of their own (the server's).
+
+`SamplingOptions` is the one declaration of a sequence's settings (token budget, temperature, top-p, top-k,
+stop strings, seed) and of their valid ranges: `generate`, the server's engine and API and `scratchlm generate`
+all take it, so an option is added here and reaches each of them.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from jaxtyping import Float, Int
@@ -26,23 +34,92 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.layers import softmax
 
 
-def check_sampling_options(temperature: float, top_p: float, top_k: int | None, prefix: str = "") -> None:
-    """Raise `ScratchlmError` for settings outside their ranges (negative temperature, p outside (0, 1], k < 1).
-    `prefix` goes before the names in the message (`--` for the command line's `--top-p`)."""
+class InvalidOption(ScratchlmError):
+    """A sampling option outside its range. The message is `"{option} {reason}"` with the option named as a
+    `SamplingOptions` field; a caller that names it otherwise (the command line's `--top-p`, the API's
+    `max_tokens`) says `f"{its own name} {reason}"` and keeps the rest of the message."""
 
-    def name(option: str) -> str:
-        return prefix + option.replace("_", "-") if prefix else option
+    def __init__(self, option: str, reason: str) -> None:
+        super().__init__(f"{option} {reason}")
+        self.option, self.reason = option, reason
 
-    if not (temperature >= 0 and temperature != float("inf")):
-        raise ScratchlmError(
-            f"{name('temperature')} must be a finite number >= 0 (0 = greedy), got {temperature!r}"
-        )
-    if not 0 < top_p <= 1:
-        raise ScratchlmError(f"{name('top_p')} must be in (0, 1], got {top_p!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ScratchlmError(
-            f"{name('top_k')} must be a positive integer (or None for no limit), got {top_k!r}"
-        )
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_distribution(temperature: float, top_p: float, top_k: int | None) -> None:
+    """Raise `InvalidOption` for settings of the distribution outside their ranges."""
+    if not (_is_number(temperature) and 0 <= temperature < math.inf):  # NaN fails the comparison too
+        raise InvalidOption("temperature", f"must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not (_is_number(top_p) and 0 < top_p <= 1):
+        raise InvalidOption("top_p", f"must be in (0, 1], got {top_p!r}")
+    if top_k is not None and not (_is_integer(top_k) and top_k >= 1):
+        raise InvalidOption("top_k", f"must be a positive integer (or None for no limit), got {top_k!r}")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How one sequence is generated: at most `max_new_tokens` new tokens, each drawn from the distribution
+    that `temperature`, `top_p` and `top_k` make of the logits (`next_token_probs`), with a `torch.Generator`
+    seeded with `seed` (None: fresh entropy); the text ends before the first of the `stop` strings.
+
+    Stop strings are found in text, so only a caller that decodes applies them (the server); `generate` works
+    on token ids and refuses them. Construction checks every field (`InvalidOption`, naming the first one out
+    of range), so a `SamplingOptions` that exists is valid; numbers are stored as floats and `stop` as a tuple
+    (one string is one stop string), which keeps the options hashable.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: Sequence[str] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (_is_integer(self.max_new_tokens) and self.max_new_tokens >= 0):
+            raise InvalidOption("max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        _check_distribution(self.temperature, self.top_p, self.top_k)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not (isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop)):
+            raise InvalidOption("stop", f"must be non-empty strings, got {self.stop!r}")
+        # The range `torch.Generator.manual_seed` takes (it reads a seed modulo 2**64).
+        if self.seed is not None and not (_is_integer(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise InvalidOption(
+                "seed", f"must be an integer of 64 bits (or None for a random seed), got {self.seed!r}"
+            )
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def distribution(self) -> tuple[float, float, int | None]:
+        """The fields the next-token distribution depends on: rows with equal ones share its computation."""
+        return self.temperature, self.top_p, self.top_k
+
+    def probs(self, logits: Float[Tensor, "... vocab"]) -> Float[Tensor, "... vocab"]:
+        """`next_token_probs` with these options."""
+        return next_token_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def sample(
+        self, logits: Float[Tensor, "... vocab"], generator: torch.Generator | None = None
+    ) -> Int[Tensor, "..."]:
+        """`sample_next_token` with these options."""
+        return sample_next_token(logits, self.temperature, self.top_p, self.top_k, generator)
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator on `device` for this sequence's draws: seeded with `seed`, else from fresh entropy."""
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
 
 
 def top_k_filter(logits: Float[Tensor, "... vocab"], k: int) -> Float[Tensor, "... vocab"]:
@@ -90,7 +167,7 @@ def next_token_probs(
     top_k: int | None = None,
 ) -> Float[Tensor, "... vocab"]:
     """The distribution the next token is drawn from (float32), after temperature, top-k and top-p."""
-    check_sampling_options(temperature, top_p, top_k)
+    _check_distribution(temperature, top_p, top_k)
     logits = logits.float()
     if temperature == 0:
         # The τ → 0 limit of softmax(v / τ): a point mass on the argmax (top-k and top-p keep it unchanged).
@@ -111,7 +188,7 @@ def sample_next_token(
 ) -> Int[Tensor, "..."]:
     """Draw one token id per row of `logits`; `temperature=0` is greedy (argmax, no randomness used)."""
     if temperature == 0:
-        check_sampling_options(temperature, top_p, top_k)
+        _check_distribution(temperature, top_p, top_k)
         return logits.argmax(dim=-1)
     return draw(next_token_probs(logits, temperature, top_p, top_k), generator)
 

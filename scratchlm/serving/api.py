@@ -4,16 +4,17 @@
     GET  /info                 the model's name, size and context, for the page (no key needed)
     GET  /v1/models            the one model served
     POST /v1/completions       OpenAI's (legacy) completions: prompt, max_tokens, temperature, top_p, stop,
-                               seed, n, stream, logprobs, echo
+                               seed, n, stream, logprobs, echo; and vLLM's top_k
     /v1/chat/completions       404: a base model has no chat template
 
 A request is checked in full before anything is queued; anything wrong is answered with OpenAI's error shape,
-`{"error": {"message", "type", "param", "code"}}`, and a 4xx status (`APIError`), and the server carries on. Each
-prompt of a request, `n` times, becomes one `SequenceRequest` for the engine (choice i is prompt i // n);
-with a `seed`, choice i samples with seed `seed + i`, so a request with a seed is reproduced exactly and its
-choices still differ from one another.
+`{"error": {"message", "type", "param", "code"}}`, and a 4xx status (`APIError`), and the server carries on. The
+sampling fields become one `SamplingOptions`, which checks their ranges; this module checks their JSON types
+and the server's limits. Each prompt of a request, `n` times, becomes one `SequenceRequest` for the engine
+(choice i is prompt i // n); with a `seed`, choice i samples with seed `seed + i`, so a request with a seed is
+reproduced exactly and its choices still differ from one another.
 
-Text is produced from the tokens through an incremental UTF-8 decoder (a token can end inside a multi-byte
+Text is produced from the tokens by the tokenizer's `Detokenizer` (a token can end inside a multi-byte
 character), and while a `stop` string may be starting, up to `len(longest stop) - 1` characters are held back;
 when one appears, the completion ends before it and the sequence is cancelled. End-of-text ends a completion
 too (`finish_reason` "stop") and is not part of its text. `usage` counts the prompt's tokens and every token
@@ -28,12 +29,11 @@ waiting for the batch (429 above).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from scratchlm.errors import ScratchlmError
-from scratchlm.generation.sampling import check_sampling_options
+from scratchlm.generation.sampling import InvalidOption, SamplingOptions
 from scratchlm.serving.engine import (
     Engine,
     Failed,
@@ -66,6 +65,9 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than a context of tokens
 MAX_CHOICES = 64  # len(prompt) × n
 MAX_TOP_LOGPROBS = 5  # as OpenAI's completions API
 MAX_STOPS = 4  # as OpenAI's completions API
+
+# The request's fields that `SamplingOptions` names otherwise.
+_FIELDS = {"max_new_tokens": "max_tokens"}
 
 
 class APIError(Exception):
@@ -90,11 +92,7 @@ class APIError(Exception):
 @dataclass(frozen=True)
 class CompletionRequest:
     prompts: list[str]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    stop: list[str]
-    seed: int | None
+    options: SamplingOptions  # max_tokens, temperature, top_p, top_k, stop, seed
     n: int
     stream: bool
     include_usage: bool
@@ -149,20 +147,27 @@ def parse_completion_request(body: Any, model_name: str, context_length: int) ->
     stop = _strings(body, "stop", required=False)
     if len(stop) > MAX_STOPS:
         raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
-    max_tokens = _typed(body, "max_tokens", int, 16, "an integer")
+    max_tokens = _typed(body, "max_tokens", int, 16, "an integer")  # OpenAI's default
     if not 0 <= max_tokens <= context_length:
         raise APIError(
             400,
             f"'max_tokens' must be between 0 and the context length {context_length}, got {max_tokens}",
             "max_tokens",
         )
-    temperature = float(_typed(body, "temperature", (int, float), 1.0, "a number"))
-    top_p = float(_typed(body, "top_p", (int, float), 1.0, "a number"))
-    for name, options in (("temperature", (temperature, 1.0)), ("top_p", (1.0, top_p))):
-        try:
-            check_sampling_options(*options, None)
-        except ScratchlmError as e:
-            raise APIError(400, str(e), name) from None
+    top_k = _typed(body, "top_k", int, None, "an integer")
+    given = {
+        "max_new_tokens": max_tokens,
+        "temperature": _typed(body, "temperature", (int, float), None, "a number"),
+        "top_p": _typed(body, "top_p", (int, float), None, "a number"),
+        "top_k": None if top_k in (0, -1) else top_k,  # vLLM's ways of saying "no limit"
+        "stop": stop,
+        "seed": _typed(body, "seed", int, None, "an integer"),
+    }
+    try:  # the fields left out (or null) take `SamplingOptions`'s defaults, which are OpenAI's
+        options = SamplingOptions(**{name: value for name, value in given.items() if value is not None})
+    except InvalidOption as e:
+        field = _FIELDS.get(e.option, e.option)
+        raise APIError(400, f"{field} {e.reason}", field) from None
     n = _typed(body, "n", int, 1, "an integer")
     if n < 1 or len(prompts) * n > MAX_CHOICES:
         raise APIError(
@@ -181,11 +186,7 @@ def parse_completion_request(body: Any, model_name: str, context_length: int) ->
         raise APIError(400, "'logit_bias' and 'suffix' are not supported by this server")
     return CompletionRequest(
         prompts=prompts,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop=stop,
-        seed=_typed(body, "seed", int, None, "an integer"),
+        options=options,
         n=n,
         stream=_typed(body, "stream", bool, False, "a boolean"),
         include_usage=_typed(stream_options, "include_usage", bool, False, "a boolean"),
@@ -199,16 +200,15 @@ class _Text:
     """A completion's text as its tokens arrive: whole characters, held back while a stop string may be
     starting. `offset` is where the completion starts in the choice's text (after an echoed prompt)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], offset: int) -> None:
-        self.vocab, self.stop = tokenizer.vocab, stop
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], offset: int) -> None:
+        self.detokenizer, self.stop = tokenizer.detokenizer(), stop
         self.text, self.sent, self.offset = "", 0, offset
         self.hold = max(map(len, stop), default=1) - 1
 
     def add(self, token_id: int | None) -> tuple[str, bool]:
         """The text that can be sent after `token_id` (None: the end), and whether a stop string ended it."""
         final = token_id is None
-        self.text += self.decoder.decode(b"" if final else self.vocab[token_id], final=final)
+        self.text += self.detokenizer.flush() if final else self.detokenizer.add(token_id)
         found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
         if found:
             self.text = self.text[: min(found)]
@@ -265,19 +265,22 @@ class Completions:
         self.sequences: list[Sequence] = []
 
     def submit(self) -> None:
-        request = self.request
+        request, options = self.request, self.request.options
         sequence_requests = []
         for index in range(len(request.prompts) * request.n):
             ids = self.prompt_ids[index // request.n]
+            choice_options = replace(
+                options,
+                max_new_tokens=min(options.max_new_tokens, self.engine.budget(len(ids))),
+                # torch reads a seed modulo 2**64: the same generator as seed + index, which cannot overflow
+                seed=None if options.seed is None else (options.seed + index) % 2**64,
+            )
             sequence_requests.append(
                 SequenceRequest(
                     ids,
-                    min(request.max_tokens, self.engine.budget(len(ids))),
-                    request.temperature,
-                    request.top_p,
-                    None if request.seed is None else request.seed + index,
-                    request.logprobs,
-                    request.echo and request.logprobs is not None,
+                    choice_options,
+                    top_logprobs=request.logprobs,
+                    prompt_logprobs=request.echo and request.logprobs is not None,
                 )
             )
         try:
@@ -293,7 +296,7 @@ class Completions:
         """Pieces of choice `index`: `{"index", "text", "logprobs", "finish_reason"}`, the last with a reason."""
         request, sequence = self.request, self.sequences[index]
         prompt_ids, prompt = self.prompt_ids[index // request.n], request.prompts[index // request.n]
-        text = _Text(self.tokenizer, request.stop, len(prompt) if request.echo else 0)
+        text = _Text(self.tokenizer, request.options.stop, len(prompt) if request.echo else 0)
 
         def piece(content: str, ids: list[int], lps: list, offset: int, reason: str | None = None) -> dict:
             logprobs = (

@@ -6,8 +6,8 @@ Requests put sequences in a queue (`submit`); the scheduler thread loops over
             `KVCache`: the same computation as `generate`), sample its first token, copy its keys and
             values into a free row of the `PaddedKVCache`;
     step:   one forward pass over the newest token of every row (`(rows, 1)` token ids), each row at its own
-            position and attending to its own keys only; sample each row's next token with its own settings
-            and `torch.Generator`;
+            position and attending to its own keys only; sample each row's next token with its own
+            `SamplingOptions` and `torch.Generator`;
     leave:  a sequence that sampled end-of-text, reached its token budget or was cancelled leaves, and the
             last row moves into its place, so the rows in use are always 0 .. batch - 1.
 
@@ -37,7 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from scratchlm.generation.sampling import draw, next_token_probs, sample_next_token
+from scratchlm.generation.sampling import SamplingOptions, draw
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -47,21 +47,20 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class SequenceRequest:
-    """One sequence to generate: the prompt's token ids and how to sample after it."""
+    """One sequence to generate: the prompt's token ids, how to sample after it, and what to report. The engine
+    reads the budget, the distribution and the seed of `options`; stop strings are found in the text, which
+    is the caller's."""
 
     prompt_ids: list[int]
-    max_tokens: int  # at most `Engine.budget(len(prompt_ids))`
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    options: SamplingOptions  # `max_new_tokens` at most `Engine.budget(len(prompt_ids))`
     top_logprobs: int | None = None  # report each token's log-probability and this many alternatives
     prompt_logprobs: bool = False  # report the prompt's tokens' log-probabilities too
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log-probability under the model (the raw logits, before temperature and top-p), and the
-    `top` most likely tokens at its position with theirs."""
+    """A token's log-probability under the model (the raw logits, before temperature, top-k and top-p), and
+    the `top` most likely tokens at its position with theirs."""
 
     logprob: float
     top: dict[int, float]
@@ -99,12 +98,12 @@ class Sequence:
 
     request: SequenceRequest
     loop: asyncio.AbstractEventLoop
+    generator: torch.Generator  # its draws: seeded with the request's seed, on the engine's device
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # set by the asyncio side; read by the scheduler before each step
     generated: int = 0
     last_token: int = -1
     done: bool = False
-    generator: torch.Generator = field(default_factory=torch.Generator)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -152,12 +151,6 @@ class Engine:
         """How many tokens can follow a prompt of `prompt_tokens` tokens within the context."""
         return max(0, self.model.config.context_length - prompt_tokens)
 
-    @property
-    def active_count(self) -> int:
-        """Sequences in the batch or waiting for it."""
-        with self._lock:
-            return len(self._active) + len(self._pending)
-
     def start(self) -> None:
         self._thread.start()
 
@@ -172,12 +165,7 @@ class Engine:
     def submit(self, requests: list[SequenceRequest]) -> list[Sequence]:
         """Queue the sequences of one request, all or none (`QueueFull`). Call from the event loop."""
         loop = asyncio.get_running_loop()
-        sequences = [Sequence(request, loop) for request in requests]
-        for sequence in sequences:
-            if sequence.request.seed is None:
-                sequence.generator.seed()
-            else:
-                sequence.generator.manual_seed(sequence.request.seed)
+        sequences = [Sequence(request, loop, request.options.generator(self.device)) for request in requests]
         with self._lock:
             if self._stopping is not None:
                 raise QueueFull(self._stopping)
@@ -226,7 +214,7 @@ class Engine:
         request = sequence.request
         if sequence.cancelled:
             return
-        if request.max_tokens == 0 and not request.prompt_logprobs:
+        if request.options.max_new_tokens == 0 and not request.prompt_logprobs:
             sequence.emit(Finished("length"))
             return
         prompt = torch.tensor([request.prompt_ids], device=self.device)
@@ -235,7 +223,7 @@ class Engine:
         if request.prompt_logprobs:
             top = request.top_logprobs or 0
             sequence.emit(PromptLogprobs(token_logprobs(logits[:-1], prompt[0, 1:], top)))
-        if request.max_tokens == 0:
+        if request.options.max_new_tokens == 0:
             sequence.emit(Finished("length"))
             return
         self.cache.store(len(self._active), cache)
@@ -252,21 +240,23 @@ class Engine:
 
     def _sample(self, sequences: list[Sequence], logits: Float[Tensor, "batch vocab"]) -> None:
         """Draw each sequence's next token from its row of logits, report it, and mark the sequence done at
-        end-of-text or at its budget. Rows with the same settings get their distributions computed together
-        (one sort for all their rows' top-p), then each row draws with its own generator, so a seed gives the
-        same tokens whoever shares the batch; the token ids come back to Python in one transfer."""
-        groups: dict[tuple[float, float], list[int]] = {}
+        end-of-text or at its budget. Rows with the same `SamplingOptions.distribution` get their
+        distributions computed together (one sort for all their rows' top-p), then each row draws with its own
+        generator, so a seed gives the same tokens whoever shares the batch; the token ids come back to Python
+        in one transfer."""
+        groups: dict[tuple, list[int]] = {}
         for row, sequence in enumerate(sequences):
-            groups.setdefault((sequence.request.temperature, sequence.request.top_p), []).append(row)
+            groups.setdefault(sequence.request.options.distribution, []).append(row)
         drawn: list[Tensor] = [logits] * len(sequences)  # each row's token id, shape (1,)
-        for (temperature, top_p), rows in groups.items():
+        for rows in groups.values():
+            options = sequences[rows[0]].request.options  # the group's distribution settings
             group_logits = logits if len(rows) == len(sequences) else logits[rows]
-            if temperature == 0:
-                greedy = sample_next_token(group_logits, 0.0, top_p)
+            if options.temperature == 0:  # an argmax: no distribution to compute, nothing drawn
+                greedy = options.sample(group_logits)
                 for i, row in enumerate(rows):
                     drawn[row] = greedy[i : i + 1]
                 continue
-            probs = next_token_probs(group_logits, temperature, top_p)
+            probs = options.probs(group_logits)
             for i, row in enumerate(rows):
                 drawn[row] = draw(probs[i : i + 1], sequences[row].generator)
         tokens = torch.cat(drawn)
@@ -280,7 +270,7 @@ class Engine:
             sequence.generated += 1
             sequence.last_token = token_id
             sequence.emit(Token(token_id, logprob))
-            if token_id == self.eos_id or sequence.generated >= request.max_tokens:
+            if token_id == self.eos_id or sequence.generated >= request.options.max_new_tokens:
                 sequence.done = True
                 sequence.emit(Finished("stop" if token_id == self.eos_id else "length"))
 

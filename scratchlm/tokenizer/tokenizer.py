@@ -16,11 +16,13 @@ comes from. Only a pre-token not seen recently is merged, by `_bpe`.
 
 Streaming (`encode_iterable`) needs places where the text can be cut without changing its encoding, which
 `safe_cut` finds: after a special token that no later text can extend into a longer one, or between two
-characters where GPT-2's pattern always ends a pre-token whatever follows (see `_CUT_RE`).
+characters where GPT-2's pattern always ends a pre-token whatever follows (see `_CUT_RE`). Decoding ids that
+arrive one at a time, as generation produces them, is `detokenizer()`'s (`Detokenizer`).
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import heapq
 import itertools
@@ -319,6 +321,37 @@ class Tokenizer:
             ) from None
         return data.decode("utf-8", errors="replace")
 
+    def detokenizer(self) -> Detokenizer:
+        """A decoder for ids that arrive one at a time: text as soon as it is whole (see `Detokenizer`)."""
+        return Detokenizer(self.vocab)
+
+
+class Detokenizer:
+    """The text of token ids given one at a time, as generation produces them.
+
+    A token can end inside a multi-byte UTF-8 character that the next token completes ("é" is C3 A9, and a
+    byte-level vocabulary may cut between them), so decoding each token alone would show replacement
+    characters in the middle of good text. `add` returns the characters that the bytes so far complete and
+    keeps the bytes of an unfinished one; `flush` ends the text. Everything returned, concatenated, is the
+    text of all the ids as `Tokenizer.decode` gives it: bytes that are not valid UTF-8, and a character left
+    unfinished at the end, become U+FFFD. An id the vocabulary lacks (a model's vocabulary may be padded past
+    its tokenizer's) reads as U+FFFD too, rather than ending a stream that is already being shown.
+    """
+
+    def __init__(self, vocab: dict[int, bytes]) -> None:
+        self._vocab = vocab
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        """The characters that `token_id`'s bytes complete (possibly none)."""
+        return self._decoder.decode(self._vocab.get(token_id, _REPLACEMENT))
+
+    def flush(self) -> str:
+        """The end of the text: U+FFFD for the bytes of an unfinished character, else nothing."""
+        return self._decoder.decode(b"", final=True)
+
+
+_REPLACEMENT = "\ufffd".encode()
 
 _NO_MERGE = (float("inf"), -1)
 

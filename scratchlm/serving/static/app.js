@@ -39,6 +39,7 @@ async function generate(event) {
     top_p: Number($("top-p").value),
     stream: true,
   };
+  if ($("top-k").value) body.top_k = Number($("top-k").value);  // empty: no limit
   controller = new AbortController();
   $("generate").disabled = true;
   $("stop").disabled = false;
