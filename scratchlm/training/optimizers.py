@@ -88,7 +88,8 @@ def build_optimizer(
     """The optimizer `config` names over `model`'s parameter groups; groups without parameters are left out.
     A group's peak rate is `config.lr` unless the config gives it its own (`embedding_lr`, `head_lr`, and
     `muon_lr` for the matrices under Muon); its `lr_scale` is that rate over `config.lr`, so the schedule
-    moves every group's rate in proportion. The handout's recipe gives every group the same settings."""
+    moves every group's rate in proportion. The CS336 assignment-1 handout's recipe gives every group the same
+    settings."""
     rates = {
         "matrices": config.muon_lr if config.name == "muon" else config.lr,
         "embeddings": config.embedding_lr or config.lr,
