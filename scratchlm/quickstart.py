@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -234,38 +235,15 @@ def quickstart(
 
     _stage(4, "validation loss on the whole validation file")
     trained = load_for_inference(run_dir, device, data.tokenizer)
-    model, tokenizer = trained.model, trained.tokenizer
-    result = evaluate(model, valid_ids, show_progress=True)
+    result = evaluate(trained.model, valid_ids, show_progress=True)
     entropy = unigram_entropy(valid_ids)
     console.print(
         f"loss {result.loss:.4f} nats/token (perplexity {result.perplexity:.1f}); unigram entropy {entropy:.4f}"
     )
 
     _stage(5, "samples (temperature 0.8, top-p 0.95)")
-    eos = tokenizer.eos_id
-    generator = torch.Generator(device=device).manual_seed(0)
-    for prompt in PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt"):
-        console.rule(f"prompt {prompt!r}")
-        console.out(prompt, end="")  # `out`: the text as it is, never read as markup or emoji codes
-        sample = tokenizer.detokenizer()
-        stream = generate_stream(
-            model,
-            tokenizer.encode(prompt),
-            size.sample_tokens,
-            temperature=0.8,
-            top_p=0.95,
-            eos_id=eos,
-            generator=generator,
-        )
-        ended = False
-        for token in stream:  # shown as it is sampled
-            ended = token == eos
-            if not ended:
-                console.out(sample.add(token), end="")
-        console.out(sample.flush())
-        if ended:
-            console.print("(end of document)", style="dim")
-    console.rule()
+    prompts = PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt")
+    print_samples(trained, prompts, size.sample_tokens, device)
 
     _stage(6, "loss curve")
     loss_curve = out_dir / "loss.png"
@@ -292,6 +270,35 @@ def quickstart(
         json.dump(asdict(quick), f, indent=2)
     _print_summary(quick)
     return quick
+
+
+def print_samples(trained: TrainedModel, prompts: Sequence[str], tokens: int, device: str) -> None:
+    """A sample after each prompt (temperature 0.8, top-p 0.95, seed 0), shown as it is sampled."""
+    model, tokenizer = trained.model, trained.tokenizer
+    eos = tokenizer.eos_id
+    generator = torch.Generator(device=device).manual_seed(0)
+    for prompt in prompts:
+        console.rule(f"prompt {prompt!r}")
+        console.out(prompt, end="")  # `out`: the text as it is, never read as markup or emoji codes
+        sample = tokenizer.detokenizer()
+        stream = generate_stream(
+            model,
+            tokenizer.encode(prompt),
+            tokens,
+            temperature=0.8,
+            top_p=0.95,
+            eos_id=eos,
+            generator=generator,
+        )
+        ended = False
+        for token in stream:
+            ended = token == eos
+            if not ended:
+                console.out(sample.add(token), end="")
+        console.out(sample.flush())
+        if ended:
+            console.print("(end of document)", style="dim")
+    console.rule()
 
 
 QUICKSTART_KIND = "quickstart"  # the output marker of its directory (scratchlm.io)

@@ -121,6 +121,14 @@ def plot_runs(
     if finite_max > cap:
         by_step.set_ylim(finite_min - 0.05 * (cap - finite_min), cap)
 
+    _label(fig, by_step, by_time, title)
+    with atomic_write(out, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    return drawn
+
+
+def _label(fig: Any, by_step: Any, by_time: Any, title: str | None) -> None:
+    """Axis labels, titles, grid and legend of the two panels."""
     by_step.set_xlabel("gradient step")
     by_time.set_xlabel("training wall-clock time (minutes)")
     by_step.set_ylabel("loss (nats/token)")
@@ -132,6 +140,3 @@ def plot_runs(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    with atomic_write(out, "wb") as f:
-        fig.savefig(f, format="png", dpi=dpi)
-    return drawn

@@ -378,6 +378,95 @@ def _merge(pieces: list[dict]) -> dict:
     return choice
 
 
+def _usage(completions: Completions) -> dict:
+    total = completions.usage["prompt_tokens"] + completions.usage["completion_tokens"]
+    return {**completions.usage, "total_tokens": total}
+
+
+async def _read_json(request: Request) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def _stream(completions: Completions, head: dict) -> AsyncIterator[str]:
+    # A client that goes away cancels this generator where it waits; `pieces` then cancels the sequences.
+    try:
+        async for item in completions.pieces():
+            yield f"data: {json.dumps({**head, 'choices': [item]})}\n\n"
+        if completions.request.include_usage:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(completions)})}\n\n"
+    except GenerationFailed as e:
+        error = APIError(503, str(e), type="server_error", code="generation_failed")
+        yield f"data: {json.dumps({'error': json.loads(error.response().body)['error']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _complete(request: Request, completions: Completions, head: dict) -> Response:
+    async def collect() -> list[dict]:
+        return [item async for item in completions.pieces()]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():  # the client went away: nobody will read the answer
+            work.cancel()
+            completions.cancel()
+    try:
+        pieces = work.result()
+    except GenerationFailed as e:
+        raise APIError(503, str(e), type="server_error", code="generation_failed") from None
+    by_choice: dict[int, list[dict]] = {}
+    for item in pieces:
+        by_choice.setdefault(item["index"], []).append(item)
+    choices = [_merge(by_choice[index]) for index in sorted(by_choice)]
+    return JSONResponse({**head, "choices": choices, "usage": _usage(completions)})
+
+
+async def _chat(request: Request) -> Response:
+    raise APIError(
+        404,
+        "this server has no /v1/chat/completions: it serves a base model, which has no chat template; "
+        "use /v1/completions",
+        code="not_found",
+    )
+
+
+async def _page(request: Request) -> Response:
+    return FileResponse(STATIC_DIR / "index.html")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    messages = {404: f"no such path: {request.url.path}", 405: f"{request.method} is not allowed here"}
+    message = messages.get(exc.status_code, str(exc.detail))
+    return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    # A bug: still an answer in the API's shape, without the traceback.
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
 def create_app(
     engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None
 ) -> Starlette:
@@ -385,27 +474,9 @@ def create_app(
     config = engine.model.config
     created = int(time.time())
 
-    def usage(completions: Completions) -> dict:
-        total = completions.usage["prompt_tokens"] + completions.usage["completion_tokens"]
-        return {**completions.usage, "total_tokens": total}
-
-    async def read_json(request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-
     async def completions_endpoint(request: Request) -> Response:
         completion_request = parse_completion_request(
-            await read_json(request), model_name, config.context_length
+            await _read_json(request), model_name, config.context_length
         )
         completions = Completions(engine, tokenizer, completion_request)
         completions.submit()
@@ -418,44 +489,6 @@ def create_app(
         if completion_request.stream:
             return StreamingResponse(_stream(completions, head), media_type="text/event-stream")
         return await _complete(request, completions, head)
-
-    async def _stream(completions: Completions, head: dict) -> AsyncIterator[str]:
-        # A client that goes away cancels this generator where it waits; `pieces` then cancels the sequences.
-        try:
-            async for item in completions.pieces():
-                yield f"data: {json.dumps({**head, 'choices': [item]})}\n\n"
-            if completions.request.include_usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(completions)})}\n\n"
-        except GenerationFailed as e:
-            error = APIError(503, str(e), type="server_error", code="generation_failed")
-            yield f"data: {json.dumps({'error': json.loads(error.response().body)['error']})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def _complete(request: Request, completions: Completions, head: dict) -> Response:
-        async def collect() -> list[dict]:
-            return [item async for item in completions.pieces()]
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
-        try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():  # the client went away: nobody will read the answer
-                work.cancel()
-                completions.cancel()
-        try:
-            pieces = work.result()
-        except GenerationFailed as e:
-            raise APIError(503, str(e), type="server_error", code="generation_failed") from None
-        by_choice: dict[int, list[dict]] = {}
-        for item in pieces:
-            by_choice.setdefault(item["index"], []).append(item)
-        choices = [_merge(by_choice[index]) for index in sorted(by_choice)]
-        return JSONResponse({**head, "choices": choices, "usage": usage(completions)})
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -475,43 +508,17 @@ def create_app(
             }
         )
 
-    async def chat(request: Request) -> Response:
-        raise APIError(
-            404,
-            "this server has no /v1/chat/completions: it serves a base model, which has no chat template; "
-            "use /v1/completions",
-            code="not_found",
-        )
-
-    async def page(request: Request) -> Response:
-        return FileResponse(STATIC_DIR / "index.html")
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        return exc.response()
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        messages = {404: f"no such path: {request.url.path}", 405: f"{request.method} is not allowed here"}
-        message = messages.get(exc.status_code, str(exc.detail))
-        return APIError(
-            exc.status_code, message, code="not_found" if exc.status_code == 404 else None
-        ).response()
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        # A bug: still an answer in the API's shape, without the traceback.
-        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
-
     return Starlette(
         routes=[
-            Route("/", page),
+            Route("/", _page),
             Route("/info", info),
             Route("/v1/models", models),
             Route("/v1/completions", completions_endpoint, methods=["POST"]),
-            Route("/v1/chat/completions", chat, methods=["GET", "POST"]),
+            Route("/v1/chat/completions", _chat, methods=["GET", "POST"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[] if api_key is None else [Middleware(_RequireKey, api_key=api_key)],
-        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
 
 

@@ -86,24 +86,8 @@ class Tokenizer:
         self.merges: list[tuple[bytes, bytes]] = list(merges)
         self.special_tokens: list[str] = list(dict.fromkeys(special_tokens or []))
 
-        self._token_ids: dict[bytes, int] = {}
-        for token_id, token in sorted(self.vocab.items()):
-            if token in self._token_ids:
-                raise ScratchlmError(
-                    f"vocabulary ids {self._token_ids[token]} and {token_id} are both the token {token!r}"
-                )
-            self._token_ids[token] = token_id
-
-        self._special_ids: dict[str, int] = {}
-        for special in self.special_tokens:
-            if not special:
-                raise ScratchlmError("a special token cannot be the empty string")
-            token = special.encode("utf-8")
-            if token not in self._token_ids:
-                new_id = max(self.vocab, default=-1) + 1
-                self.vocab[new_id] = token
-                self._token_ids[token] = new_id
-            self._special_ids[special] = self._token_ids[token]
+        # Special tokens not in the vocabulary join it here, with the next free ids.
+        self._token_ids, self._special_ids = index_vocabulary(self.vocab, self.special_tokens)
         self._special_re = special_tokens_regex(self.special_tokens)
         self._longest_special = max(map(len, self.special_tokens), default=0)
 
@@ -115,28 +99,7 @@ class Tokenizer:
             )
         self._byte_ids: list[int] = [self._token_ids[bytes([b])] for b in range(256)]
 
-        # (left id, right id) -> (rank, merged id). The lowest rank is the earliest merge; a pair listed twice
-        # keeps its first rank.
-        self._merges: dict[tuple[int, int], tuple[int, int]] = {}
-        # Each merge may only join tokens that exist by then (bytes or earlier merges), as training makes them.
-        # This is what makes "apply the merges in creation order" and "repeatedly merge the lowest-ranked pair"
-        # the same thing.
-        made = {bytes([b]) for b in range(256)}
-        for rank, (left, right) in enumerate(self.merges):
-            for part in (left, right):
-                if part not in made:
-                    raise ScratchlmError(
-                        f"merge {rank} ({left!r}, {right!r}): {part!r} is neither a byte nor made by an earlier merge"
-                    )
-            made.add(left + right)
-            ids = []
-            for part in (left, right, left + right):
-                if part not in self._token_ids:
-                    raise ScratchlmError(
-                        f"merge {rank} ({left!r}, {right!r}): the token {part!r} is not in the vocabulary"
-                    )
-                ids.append(self._token_ids[part])
-            self._merges.setdefault((ids[0], ids[1]), (rank, ids[2]))
+        self._merges = merge_table(self.merges, self._token_ids)
 
         self._cache = _BoundedCache(self._bpe, CACHE_SIZE)
 
@@ -241,29 +204,8 @@ class Tokenizer:
 
     def safe_chunks(self, pieces: Iterable[str], chunk_chars: int) -> Iterator[str]:
         """Regroup `pieces` into chunks of about `chunk_chars` characters or more whose encodings, concatenated,
-        are the encoding of the whole text."""
-        pending: list[str] = []
-        pending_chars = 0
-        wanted = chunk_chars
-        for piece in pieces:
-            if not isinstance(piece, str):
-                raise TypeError(f"expected pieces of text (str), got {type(piece).__name__}")
-            pending.append(piece)
-            pending_chars += len(piece)
-            if pending_chars < wanted:
-                continue
-            text = "".join(pending)
-            cut = self.safe_cut(text)
-            if cut:
-                yield text[:cut]
-            rest = text[cut:]
-            pending, pending_chars = [rest], len(rest)
-            # Without a cut the text is scanned again only once it has doubled, so a long stretch without a
-            # safe cut costs linear, not quadratic, time.
-            wanted = max(chunk_chars + len(rest), 2 * len(rest))
-        tail = "".join(pending)
-        if tail:
-            yield tail
+        are the encoding of the whole text (each chunk ends at a `safe_cut`)."""
+        return regroup(pieces, chunk_chars, self.safe_cut)
 
     def safe_cut(self, text: str) -> int:
         """The largest position `c` (0 if none) such that for any text `t` that may follow,
@@ -324,6 +266,84 @@ class Tokenizer:
     def detokenizer(self) -> Detokenizer:
         """A decoder for ids that arrive one at a time: text as soon as it is whole (see `Detokenizer`)."""
         return Detokenizer(self.vocab)
+
+
+def regroup(pieces: Iterable[str], chunk_chars: int, safe_cut: Callable[[str], int]) -> Iterator[str]:
+    """`Tokenizer.safe_chunks`: the pieces joined and cut again at the safe cuts, about `chunk_chars` apart."""
+    pending: list[str] = []
+    pending_chars = 0
+    wanted = chunk_chars
+    for piece in pieces:
+        if not isinstance(piece, str):
+            raise TypeError(f"expected pieces of text (str), got {type(piece).__name__}")
+        pending.append(piece)
+        pending_chars += len(piece)
+        if pending_chars < wanted:
+            continue
+        text = "".join(pending)
+        cut = safe_cut(text)
+        if cut:
+            yield text[:cut]
+        rest = text[cut:]
+        pending, pending_chars = [rest], len(rest)
+        # Without a cut the text is scanned again only once it has doubled, so a long stretch without a
+        # safe cut costs linear, not quadratic, time.
+        wanted = max(chunk_chars + len(rest), 2 * len(rest))
+    tail = "".join(pending)
+    if tail:
+        yield tail
+
+
+def index_vocabulary(
+    vocab: dict[int, bytes], special_tokens: list[str]
+) -> tuple[dict[bytes, int], dict[str, int]]:
+    """Token -> id, and special token -> id, adding to `vocab` (in place) each special token it lacks, with
+    the next free id; a token that two ids share, or an empty special token, is refused."""
+    token_ids: dict[bytes, int] = {}
+    for token_id, token in sorted(vocab.items()):
+        if token in token_ids:
+            raise ScratchlmError(
+                f"vocabulary ids {token_ids[token]} and {token_id} are both the token {token!r}"
+            )
+        token_ids[token] = token_id
+    special_ids: dict[str, int] = {}
+    for special in special_tokens:
+        if not special:
+            raise ScratchlmError("a special token cannot be the empty string")
+        token = special.encode("utf-8")
+        if token not in token_ids:
+            new_id = max(vocab, default=-1) + 1
+            vocab[new_id] = token
+            token_ids[token] = new_id
+        special_ids[special] = token_ids[token]
+    return token_ids, special_ids
+
+
+def merge_table(
+    merges: list[tuple[bytes, bytes]], token_ids: dict[bytes, int]
+) -> dict[tuple[int, int], tuple[int, int]]:
+    """(left id, right id) -> (rank, merged id). The lowest rank is the earliest merge; a pair listed twice
+    keeps its first rank. Each merge may only join tokens that exist by then (bytes or earlier merges), as
+    training makes them: this is what makes "apply the merges in creation order" and "repeatedly merge the
+    lowest-ranked pair" the same thing."""
+    table: dict[tuple[int, int], tuple[int, int]] = {}
+    made = {bytes([b]) for b in range(256)}
+    for rank, (left, right) in enumerate(merges):
+        for part in (left, right):
+            if part not in made:
+                raise ScratchlmError(
+                    f"merge {rank} ({left!r}, {right!r}): {part!r} is neither a byte nor made by an earlier merge"
+                )
+        made.add(left + right)
+        ids = []
+        for part in (left, right, left + right):
+            if part not in token_ids:
+                raise ScratchlmError(
+                    f"merge {rank} ({left!r}, {right!r}): the token {part!r} is not in the vocabulary"
+                )
+            ids.append(token_ids[part])
+        table.setdefault((ids[0], ids[1]), (rank, ids[2]))
+    return table
 
 
 class Detokenizer:
