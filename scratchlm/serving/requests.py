@@ -1,0 +1,147 @@
+"""A completion request, checked in full before anything is queued: its JSON types and the server's limits
+here, the sampling fields' ranges in `SamplingOptions`. Anything wrong is an `APIError`, answered with OpenAI's
+error shape `{"error": {"message", "type", "param", "code"}}` and a 4xx status."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from scratchlm.generation.sampling import InvalidOption, SamplingOptions
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than a context of tokens
+MAX_CHOICES = 64  # len(prompt) × n
+MAX_TOP_LOGPROBS = 5  # as OpenAI's completions API
+MAX_STOPS = 4  # as OpenAI's completions API
+
+# The request's fields that `SamplingOptions` names otherwise.
+_FIELDS = {"max_new_tokens": "max_tokens"}
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error format: `status`, a message, its type, the parameter at fault, a code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[str]
+    options: SamplingOptions  # max_tokens, temperature, top_p, top_k, stop, seed
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    echo: bool
+    tokens_as_ids: bool
+
+
+def _typed(body: dict, name: str, types: type | tuple[type, ...], default: Any, what: str) -> Any:
+    """`body[name]` (`default` when absent or null) if it is of `types`; booleans are not numbers here."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)}", name)
+    if not isinstance(value, types):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)}", name)
+    return value
+
+
+def _strings(body: dict, name: str, required: bool) -> list[str]:
+    """A string or a list of strings, as `prompt` and `stop` take."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", name)
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise APIError(400, f"'{name}' must be a string or a list of strings", name)
+    if required and not values:
+        raise APIError(400, f"'{name}' must not be an empty list", name)
+    if any(v == "" for v in values):
+        raise APIError(400, f"'{name}' must not contain an empty string", name)
+    return values
+
+
+def parse_completion_request(body: Any, model_name: str, context_length: int) -> CompletionRequest:
+    """Check a /v1/completions body against the API and this server's limits (`APIError` on the first
+    problem)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = _typed(body, "model", str, model_name, "a string")
+    if model != model_name:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{model_name}'",
+            "model",
+            code="model_not_found",
+        )
+    prompts = _strings(body, "prompt", required=True)
+    stop = _strings(body, "stop", required=False)
+    if len(stop) > MAX_STOPS:
+        raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
+    max_tokens = _typed(body, "max_tokens", int, 16, "an integer")  # OpenAI's default
+    if not 0 <= max_tokens <= context_length:
+        raise APIError(
+            400,
+            f"'max_tokens' must be between 0 and the context length {context_length}, got {max_tokens}",
+            "max_tokens",
+        )
+    top_k = _typed(body, "top_k", int, None, "an integer")
+    given = {
+        "max_new_tokens": max_tokens,
+        "temperature": _typed(body, "temperature", (int, float), None, "a number"),
+        "top_p": _typed(body, "top_p", (int, float), None, "a number"),
+        "top_k": None if top_k in (0, -1) else top_k,  # vLLM's ways of saying "no limit"
+        "stop": stop,
+        "seed": _typed(body, "seed", int, None, "an integer"),
+    }
+    try:  # the fields left out (or null) take `SamplingOptions`'s defaults, which are OpenAI's
+        options = SamplingOptions(**{name: value for name, value in given.items() if value is not None})
+    except InvalidOption as e:
+        field = _FIELDS.get(e.option, e.option)
+        raise APIError(400, f"{field} {e.reason}", field) from None
+    n = _typed(body, "n", int, 1, "an integer")
+    if n < 1 or len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400, f"'n' must be at least 1, with at most {MAX_CHOICES} completions in all (prompts × n)", "n"
+        )
+    logprobs = _typed(body, "logprobs", int, None, "an integer")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            400, f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}", "logprobs"
+        )
+    stream_options = _typed(body, "stream_options", dict, {}, "an object")
+    for name, default in (("best_of", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
+        if body.get(name) not in (None, default):
+            raise APIError(400, f"'{name}' is not supported by this server", name)
+    if body.get("logit_bias") or body.get("suffix"):
+        raise APIError(400, "'logit_bias' and 'suffix' are not supported by this server")
+    return CompletionRequest(
+        prompts=prompts,
+        options=options,
+        n=n,
+        stream=_typed(body, "stream", bool, False, "a boolean"),
+        include_usage=_typed(stream_options, "include_usage", bool, False, "a boolean"),
+        logprobs=logprobs,
+        echo=_typed(body, "echo", bool, False, "a boolean"),
+        tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False, "a boolean"),
+    )
