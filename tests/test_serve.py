@@ -31,8 +31,8 @@ from scratchlm.generation.generate import generate_stream  # noqa: E402
 from scratchlm.generation.sampling import SamplingOptions  # noqa: E402
 from scratchlm.model.config import ModelConfig  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
-from scratchlm.serving.requests import APIError, parse_completion_request  # noqa: E402
 from scratchlm.serving.engine import Engine  # noqa: E402
+from scratchlm.serving.requests import APIError, parse_completion_request  # noqa: E402
 from scratchlm.serving.server import build_server  # noqa: E402
 from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
 
