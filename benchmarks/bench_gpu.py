@@ -10,20 +10,39 @@ written as JSON.
    `torch.optim.AdamW(fused=True)`, at the TinyStories shape (context 256, d_model 512, 4 layers) and GPT-2
    small's (context 1,024, d_model 768, 12 layers, vocab 32K). MFU is against the measured bf16 matmul peak.
 3. Peak memory of each, and of the LM head + loss fused or not at 128 × 512 tokens, vocab 32K.
+4. Decoding: one query per head against a long KV cache (grouped-query attention), forward only: the Triton
+   split-key decode kernel against SDPA and the blocked implementation.
 
 `--tiny` runs every row at toy shapes (on a CPU too: the Triton row then needs `TRITON_INTERPRET=1`, and is
 marked "n/a" without it), which the test suite does so that the script keeps working.
 
+Two more modes need no benchmark run:
+
+- `--aot` compiles the attention kernels ahead of time for sm_70 … sm_90 (no GPU needed) and prints, per
+  kernel, architecture, dtype and padded head size, the launch settings the run-time choice takes, their
+  shared memory against the architecture's limit, registers, spills and instruction mix
+  (`scratchlm.kernels.aot`). `--arch/--dtype/--head-dim/--kernel` narrow it, `--jobs` compiles in parallel.
+- `--checklist` is what the first session with a GPU runs: versions, the GPU tests, the kernel tests compiled
+  rather than interpreted, compute-sanitizer's memcheck and racecheck on one odd-length causal GQA case
+  (`--case`), then this benchmark; one PASS/FAIL line per step, logs under `--logs`.
+
     python benchmarks/bench_gpu.py --device cuda --out gpu.json
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --tiny --device cpu --no-compile
+    python benchmarks/bench_gpu.py --aot --jobs 16
+    python benchmarks/bench_gpu.py --checklist
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +68,8 @@ FULL = {
         ),
     },
     "head": (128 * 512, 32_000, 768),
+    # (batch, heads, kv_heads, cached keys, d_head): one new token per sequence, Llama-3-8B's attention shape
+    "decode": [(8, 32, 8, 4096, 128), (1, 32, 8, 32_768, 128), (32, 16, 16, 1024, 64)],
 }
 TINY = {
     "leaderboard": (1, 2, 96, 16),
@@ -57,7 +78,9 @@ TINY = {
         "tiny": (ModelConfig(vocab_size=128, context_length=32, d_model=64, num_layers=2, num_heads=4), 2)
     },
     "head": (256, 512, 32),
+    "decode": [(2, 4, 2, 100, 16)],
 }
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -133,6 +156,50 @@ def bench_attention(
     return rows
 
 
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One new query attends to every cached key: no mask. SDPA wants K and V repeated over each group."""
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+
+def blocked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    grouped = q.unflatten(1, (k.shape[1], group))
+    return causal_attention(grouped, k.unsqueeze(2), v.unsqueeze(2)).flatten(1, 2)
+
+
+def bench_decode(
+    shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype, repeats: int
+) -> list[dict]:
+    """Forward only, as in generation: one query per (sequence, head) against `seq_k` cached keys."""
+    batch, heads, kv_heads, seq_k, d_head = shape
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, 1, d_head, generator=generator).to(device, dtype)
+    k, v = (
+        torch.randn(batch, kv_heads, seq_k, d_head, generator=generator).to(device, dtype) for _ in range(2)
+    )
+    kernel = attention_implementations(device)["scratchlm triton"]
+    implementations = {"scratchlm triton": kernel, "sdpa": sdpa_decode, "scratchlm blocked": blocked_decode}
+    rows = []
+    for name, attention in implementations.items():
+        row = {
+            "impl": name,
+            "batch": batch,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "seq_k": seq_k,
+            "d_head": d_head,
+        }
+        if attention is None:
+            rows.append(row | {"us": None})
+            continue
+        with torch.no_grad():
+            rows.append(
+                row | {"us": timed(lambda attention=attention: attention(q, k, v), device, repeats) * 1e6}
+            )
+    return rows
+
+
 def bench_training(name: str, config: ModelConfig, batch: int, device: torch.device, args) -> list[dict]:
     torch.manual_seed(0)
     ours = TransformerLM.from_config(config, device=device)
@@ -197,7 +264,25 @@ def main() -> None:
     parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--aot", action="store_true", help="the ahead-of-time table of the attention kernels")
+    parser.add_argument("--arch", type=int, nargs="+", help="--aot: compute capabilities (default: 70 … 90)")
+    parser.add_argument("--dtype", nargs="+", choices=["fp32", "bf16", "fp16"], help="--aot: dtypes")
+    parser.add_argument("--head-dim", type=int, nargs="+", help="--aot: padded head sizes (16 … 256)")
+    parser.add_argument(
+        "--kernel", nargs="+", help="--aot: kernels (forward, decode, combine, backward_kv, …)"
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="--aot: compiling processes")
+    parser.add_argument("--json", help="--aot: also write the rows to this file")
+    parser.add_argument("--checklist", action="store_true", help="the first-GPU checklist (see above)")
+    parser.add_argument("--logs", default="gpu_checklist", help="--checklist: where each step's log goes")
+    parser.add_argument("--case", action="store_true", help="one odd-length causal GQA case (for sanitizers)")
     args = parser.parse_args()
+    if args.aot:
+        return aot(args)
+    if args.checklist:
+        return checklist(args)
+    if args.case:
+        return sanitizer_case()
     device = torch.device(args.device)
     shapes = TINY if args.tiny else FULL
     args.peak_flops = matmul_peak(device, torch.bfloat16, 256 if args.tiny else 8192)
@@ -241,9 +326,117 @@ def main() -> None:
     for variant, r in head.items():
         print(f"{variant:<10}{fmt(r['peak_gpu'] and r['peak_gpu'] / 2**20, '.0f'):>10}{r['loss']:>10.5f}")
 
+    decode = []
+    for shape in shapes["decode"]:
+        decode += bench_decode(shape, device, torch.bfloat16, args.repeats)
+    results["decode"] = decode
+    print("\ndecode: one query per sequence and head against a KV cache, bf16, forward")
+    print(f"{'impl':<20}{'batch':>6}{'heads':>6}{'kv':>4}{'seq_k':>8}{'d_head':>7}{'us':>10}")
+    for r in decode:
+        print(
+            f"{r['impl']:<20}{r['batch']:>6}{r['heads']:>6}{r['kv_heads']:>4}{r['seq_k']:>8}{r['d_head']:>7}"
+            f"{fmt(r['us'], '.1f'):>10}"
+        )
+
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"\nwritten to {args.out}")
+
+
+def aot(args) -> None:
+    """Print (and with --json write) the ahead-of-time table of the attention kernels."""
+    from scratchlm.kernels.aot import HEAD_DIMS, as_dicts, sweep, table
+    from scratchlm.kernels.flash_kernels import KERNELS
+    from scratchlm.kernels.launch import ARCHITECTURES, DTYPES
+
+    dtypes = {name: dtype for dtype, name in DTYPES.items()}
+    rows = sweep(
+        args.kernel or list(KERNELS),
+        args.arch or list(ARCHITECTURES),
+        [dtypes[d] for d in args.dtype or dtypes],
+        args.head_dim or HEAD_DIMS,
+        args.jobs,
+    )
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_dicts(rows), indent=2))
+
+
+def sanitizer_case() -> None:
+    """Forward, backward and decode of one odd-length causal grouped-query case, for compute-sanitizer: the
+    sequence ends, the padded head size and the group indexing are where an out-of-bounds access would be."""
+    from scratchlm.kernels import flash_attention
+
+    generator = torch.Generator().manual_seed(0)
+    for seq_q, seq_k in ((77, 77), (3, 201)):
+        q = torch.randn(2, 4, seq_q, 80, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+        k, v = (
+            torch.randn(2, 2, seq_k, 80, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+            for _ in range(2)
+        )
+        flash_attention(q, k, v, causal=True).square().sum().backward()
+    torch.cuda.synchronize()
+    print("case ran")
+
+
+def checklist(args) -> None:
+    """Each step in its own process, its output to `--logs/<step>.log`; one PASS/FAIL line per step."""
+    logs = Path(args.logs).resolve()
+    logs.mkdir(parents=True, exist_ok=True)
+    python = [sys.executable]
+    kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py"))
+    compiled_tests = [
+        "tests/test_flash_attention.py",
+        "tests/test_model_attention.py",
+        "tests/test_bench_gpu.py",
+    ]
+    compiled_tests += kernel_tests
+    case = [*python, "benchmarks/bench_gpu.py", "--case"]
+    steps = {
+        "versions": [*python, "-c", VERSIONS],
+        "gpu tests": [*python, "-m", "pytest", "-m", "gpu", "-n", "4", "tests/test_gpu.py", *kernel_tests],
+        "kernel tests compiled": [*python, "-m", "pytest", "-n", "4", *compiled_tests],
+        "memcheck": ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *case],
+        "racecheck": ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1", *case],
+        "benchmark": [*python, "benchmarks/bench_gpu.py", "--out", str(logs / "bench_gpu.json")],
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    failed = []
+    for name, command in steps.items():
+        log = logs / f"{name.replace(' ', '_')}.log"
+        if shutil.which(command[0]) is None:
+            print(f"SKIP  {name:<24} {command[0]} not found")
+            failed.append(name)
+            continue
+        start = time.perf_counter()
+        with open(log, "w") as out:
+            code = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        print(f"{'PASS' if code == 0 else 'FAIL'}  {name:<24} {time.perf_counter() - start:7.0f} s  {log}")
+        if code:
+            failed.append(name)
+    print(
+        f"\n{len(steps) - len(failed)} of {len(steps)} steps passed"
+        + (f"; not: {', '.join(failed)}" if failed else "")
+    )
+    if failed:
+        raise SystemExit(1)
+
+
+VERSIONS = """
+import platform, shutil, subprocess, torch, triton
+from scratchlm.kernels.launch import DTYPES, choose, device_limits, LADDERS
+print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__,
+      "cuda", torch.version.cuda)
+if shutil.which("nvidia-smi"):
+    print(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
+device = torch.device("cuda", torch.cuda.current_device())
+arch, limit = device_limits(device)
+print(torch.cuda.get_device_name(device), f"sm_{arch}", f"shared memory per block {limit:,} B",
+      torch.cuda.get_device_properties(device).multi_processor_count, "SMs")
+for dtype in DTYPES:
+    for d in (64, 128):
+        print(DTYPES[dtype], d, {k: str(choose(k, arch, limit, dtype, d, True)) for k in LADDERS})
+"""
 
 
 if __name__ == "__main__":

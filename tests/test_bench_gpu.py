@@ -1,6 +1,6 @@
-"""The GPU benchmark at toy shapes on whatever device there is (on a CPU: the Triton row under the
-interpreter, which conftest turns on), so that the one command keeps running: every row measured, the fused
-and unfused head + loss agree."""
+"""The GPU benchmark at toy shapes on whatever device there is (on a CPU: the Triton rows under the
+interpreter, which conftest turns on), so that the one command keeps running: every row measured (decoding
+too), the fused and unfused head + loss agree."""
 
 import json
 import os
@@ -25,6 +25,8 @@ def test_tiny_run_fills_every_row(tmp_path):
     assert all(r["ms"] > 0 for r in results["attention"]), results["attention"]
     assert {r["impl"] for r in results["training"]} == {"scratchlm", "reference"}
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in results["training"])
+    assert {r["impl"] for r in results["decode"]} == {"scratchlm triton", "sdpa", "scratchlm blocked"}
+    assert all(r["us"] > 0 for r in results["decode"]), results["decode"]
     head = results["head_and_loss"]
     assert head["fused"]["loss"] == pytest.approx(head["unfused"]["loss"], rel=1e-5)
     assert "LM head + cross-entropy" in result.stdout

@@ -37,11 +37,13 @@ def reference_attention(q, k, v, causal, scale=None):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def check_against_reference(batch, heads, kv_heads, seq_q, seq_k, d_head, causal, dtype, scale=None, seed=0):
+def check_against_reference(
+    batch, heads, kv_heads, seq_q, seq_k, d_head, causal, dtype, scale=None, seed=0, device=DEVICE
+):
     generator = torch.Generator().manual_seed(seed)
 
     def tensor(*shape):
-        return torch.randn(*shape, generator=generator).to(device=DEVICE, dtype=dtype)
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     q, k, v = (
         tensor(batch, heads, seq_q, d_head),

@@ -499,11 +499,16 @@ class MultiHeadSelfAttention(ConfigModule):
         return cls(handout_config(d_model, num_heads, None, max_seq_len or 1, theta), device, dtype)
 
     def _uses_kernel(self, q: Tensor) -> bool:
-        """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" with `q` on a
-        CUDA device and Triton importable. Decided per call, from where the tensors are."""
-        if self.attention == "auto":
-            return q.is_cuda and triton_attention() is not None
-        return self.attention == "triton"
+        """Whether attention runs in the Triton kernel: `config.attention` "triton", or "auto" on a GPU where
+        the kernel is fast (sm_80+, bf16/fp16). Either falls back to `causal_attention` where no launch
+        setting fits the GPU (`scratchlm.kernels.dispatch`). Decided per call, from where the tensors are."""
+        if self.attention == "torch" or (self.attention == "auto" and not q.is_cuda):
+            return False
+        if triton_attention() is None:
+            return self.attention == "triton"  # _kernel() says what is missing
+        from scratchlm.kernels.dispatch import uses_kernel
+
+        return uses_kernel(self.attention, q.device, q.dtype, q.shape[-1])
 
     def _kernel(self) -> Any:
         kernel = triton_attention()
