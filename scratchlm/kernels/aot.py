@@ -29,8 +29,9 @@ from scratchlm.kernels.flash_kernels import INTERPRETED, KERNELS
 from scratchlm.kernels.launch import ARCHITECTURES, DTYPES, SHARED_MEMORY_LIMIT, choose, compile_for
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
-#: SASS opcodes worth counting: tensor-core dots (HMMA on sm_80/86/89 and sm_75/70, HGMMA on sm_90), FMA dots,
-#: shared-memory traffic (LDGSTS = cp.async, LDSM = ldmatrix), spills (LDL/STL), exponentials (MUFU).
+#: SASS opcodes worth counting: tensor-core dots (HMMA on sm_80/86/89, and on sm_90 for tiles of fewer than 64
+#: rows; HGMMA on sm_90), FMA dots, shared-memory traffic (LDGSTS = cp.async, LDSM = ldmatrix), spills
+#: (LDL/STL), exponentials (MUFU).
 OPCODES = ("HMMA", "HGMMA", "FFMA", "LDGSTS", "LDSM", "LDS", "STS", "LDL", "STL", "MUFU", "BAR")
 
 
@@ -136,7 +137,7 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"{r.kernel:<12}{r.arch:>5}{r.dtype:>6}{r.head_dim:>5}  {r.settings or 'NONE FITS':<15}"
             f"{_or_dash(r.shared):>9}{r.limit:>9}{_or_dash(r.registers):>6}{spill:>12}"
-            f"{_or_dash(r.transposes):>6}{_or_dash(r.instructions):>7}  {mix}"
+            f"{_or_dash(r.transposes):>6}{_or_dash(r.instructions):>7}  {mix}".rstrip()
         )
     lines.append("")
     for arch in sorted({r.arch for r in rows}):

@@ -463,9 +463,11 @@ class MultiHeadSelfAttention(ConfigModule):
     they attend to all the cached keys and causally among themselves.
 
     `config.attention` picks the computation: the FlashAttention-2 Triton kernel (`scratchlm.kernels`; on a
-    CUDA device, with or without a KV cache) or `causal_attention` (anywhere). "auto" takes the kernel for
-    CUDA tensors when Triton imports; "triton" insists on it, and on a CPU fails with a clear message unless
-    Triton's interpreter is on (`TRITON_INTERPRET=1`, slow, for tests).
+    CUDA device, with or without a KV cache) or `causal_attention` (anywhere). "auto" takes the kernel only
+    where it is correct and fast, a GPU of compute capability 8.0 or more with bf16 or fp16 tensors
+    (`scratchlm.kernels.dispatch`); "triton" insists on it (with a warning where it is slow; on a CPU it fails
+    with a clear message unless Triton's interpreter is on, `TRITON_INTERPRET=1`, slow, for tests); "torch"
+    never uses it.
     """
 
     def __init__(self, config: ModelConfig, device: Device = None, dtype: DType = None) -> None:
