@@ -52,7 +52,7 @@ from bench_train_step import ReferenceLM, matmul_peak, reference_loss, sync
 from scratchlm import AdamW, ModelConfig, TransformerLM
 from scratchlm.device import plan
 from scratchlm.model.accounting import train_step_flops
-from scratchlm.model.layers import causal_attention, triton_attention
+from scratchlm.model.attention import causal_attention, triton_attention
 
 FULL = {
     "leaderboard": (1, 16, 16_384, 64),

@@ -2,6 +2,7 @@
 
 import argparse
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +11,10 @@ from scratchlm import AdamW, cross_entropy, load_checkpoint, load_trained, save_
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run import RunDirectory
+from scratchlm.run import Checkpoint, RunDirectory
 from scratchlm.run.checkpoint import read_checkpoint
 
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
 CONFIG = ModelConfig(vocab_size=64, context_length=8, d_model=16, num_layers=2, num_heads=2)
 SPEC_KEYS = {
     "token_embeddings.weight",
@@ -174,3 +176,51 @@ def test_an_unreadable_checkpoint_is_one_line_naming_the_file(tmp_path, kind):
     expected = {"empty": "is empty", "objects": "not a scratchlm checkpoint", "truncated": "could not be read",
                 "directory": "is not a file"}[kind]  # fmt: skip
     assert expected in message and not message.endswith(": ")
+
+
+@pytest.mark.parametrize("name", ["trained.pt", "imported.pt"])
+def test_a_checkpoint_of_each_kind_saves_again_to_the_same_content(tmp_path, name):
+    """The fixtures are the file format: a training run's checkpoint with every entry (fp16, a time budget)
+    and an imported model's. Read and saved again, each is the same dict, entry for entry, in the same order,
+    with the same checksum."""
+    raw = torch.load(FIXTURES / name, map_location="cpu", weights_only=True)
+    Checkpoint.read(FIXTURES / name).save(tmp_path / name)
+    again = torch.load(tmp_path / name, map_location="cpu", weights_only=True)
+    assert list(again) == list(raw) and again["sha256"] == raw["sha256"]
+
+
+def test_the_fixtures_read_to_their_fields():
+    trained = Checkpoint.read(FIXTURES / "trained.pt")
+    raw = torch.load(FIXTURES / "trained.pt", map_location="cpu", weights_only=True)
+    assert trained.step == 2 and trained.optimizer is not None and trained.imported_from is None
+    assert (
+        trained.tokenizer_dir == "data/tokenizer" and trained.tokenizer_fingerprint == "0123456789abcdef" * 4
+    )
+    state = trained.training
+    assert state.config == raw["train_config"] and state.config["training"]["precision"] == "fp16"
+    assert state.precision == "fp16" and state.elapsed_s == 1.5 and state.tokens == 32
+    assert state.time_budget == {"step": 2, "step_s": 0.5, "elapsed_s": 1.0, "total_steps": 100}
+    assert state.loss_scale == {"scale": 65536.0, "clean_steps": 0, "skipped": 1}
+    assert state.data_rng == raw["data_rng"] and torch.equal(state.torch_rng, raw["torch_rng"])
+    assert torch.equal(state.cuda_rng, torch.arange(16, dtype=torch.uint8))
+    imported = Checkpoint.read(FIXTURES / "imported.pt")
+    assert imported.step == 0 and imported.optimizer is None and imported.imported_from == "/models/tiny"
+    assert imported.training is None and imported.tokenizer_dir is None
+    assert imported.tokenizer_fingerprint == "0123456789abcdef" * 4
+    model = TransformerLM(imported.model_config)
+    imported.load_into(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.model.items())
+
+
+def test_the_training_fields_still_read_from_the_checkpoint_itself() -> None:
+    """Before `TrainingState` grouped them they were `Checkpoint`'s own fields; code written then still works."""
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.run.checkpoint import Checkpoint, TrainingState
+
+    config = ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2)
+    trained = Checkpoint({}, 3, config, training=TrainingState({"data": {}}, tokens=7, precision="bf16"))
+    assert (trained.train_config, trained.tokens, trained.precision) == ({"data": {}}, 7, "bf16")
+    imported = Checkpoint({}, 0, config)
+    assert (imported.train_config, imported.elapsed_s, imported.loss_scale) == ({}, 0.0, None)
+    with pytest.raises(AttributeError):
+        _ = imported.no_such_field

@@ -20,7 +20,7 @@ from scratchlm import (
     softmax,
 )
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.layers import SiLUFeedForward
+from scratchlm.model.ffn import SiLUFeedForward
 
 
 def gen(seed: int) -> torch.Generator:

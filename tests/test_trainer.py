@@ -1,5 +1,6 @@
 """The training loop: learning, run directory contents, exact resume, Ctrl-C, divergence, budgets."""
 
+import dataclasses
 import json
 import math
 import signal
@@ -16,7 +17,7 @@ from scratchlm import AdamW, cross_entropy, train
 from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run import RunSummary, StopReason
+from scratchlm.run import Checkpoint, RunSummary, StopReason
 from scratchlm.training import schedule
 from scratchlm.training import step as step_module
 from scratchlm.training.config import TrainConfig
@@ -135,6 +136,16 @@ def test_resume_continues_bit_for_bit(tmp_path):
     )
     assert [r["train_loss"] for r in straight] == [r["train_loss"] for r in resumed]
     assert resumed[-1]["time"] > resumed[5]["time"]  # the clock continues across the resume
+
+
+def test_a_checkpoint_without_training_state_is_not_resumed(tmp_path):
+    """Weights and an optimizer alone (what `save_checkpoint` writes) do not say where the data sampling and
+    the RNGs were: such a checkpoint starts a new run (`training.init_from`) instead."""
+    train(small_config(tmp_path).replace(training={"max_steps": 4}))
+    latest = tmp_path / "run" / "checkpoints" / "step_00000004.pt"
+    dataclasses.replace(Checkpoint.read(latest), training=None).save(latest)
+    with pytest.raises(ScratchlmError, match="has no training state to resume"):
+        train(small_config(tmp_path), resume=True)
 
 
 def test_resuming_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):

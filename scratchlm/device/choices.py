@@ -46,7 +46,6 @@ from scratchlm.device.profile import (
 from scratchlm.errors import ScratchlmError
 from scratchlm.precisions import PRECISIONS
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a resolved precision's
 LOW_PRECISION_GAIN = 1.25  # auto picks bf16 (fp16) when its matmuls are at least this much faster than fp32's
 # (autocast converts activations to the low precision and back, which costs part of the gain)
 SLOW_FACTOR = 1.5  # an explicit bf16 or fp16 this many times slower than fp32 gets a warning

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from scratchlm.device.choices import (
-    DTYPES,
     Choice,
     choose_compile,
     choose_fused_loss,
@@ -36,7 +35,7 @@ from scratchlm.device.choices import (
     choose_threads,
     resolve_precision,
 )
-from scratchlm.device.profile import DeviceProfile, device_profile
+from scratchlm.device.profile import DTYPES, DeviceProfile, device_profile
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import torch
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
+from scratchlm.precisions import DTYPE_NAMES
 
 # CPU flags (as /proc/cpuinfo spells them) that decide how fast low-precision matmuls can be.
 RELEVANT_CPU_FLAGS = (
@@ -55,6 +56,8 @@ RELEVANT_CPU_FLAGS = (
 CPU_MATMUL_SIZE = 512
 GPU_MATMUL_SIZE = 4096
 MEASURE_SECONDS = 0.15  # each rate is timed over at least this long (or one multiplication, if slower)
+# The dtype of each precision (`scratchlm.precisions`): a profile measures the matmul rate of every one.
+DTYPES = {precision: getattr(torch, name) for precision, name in DTYPE_NAMES.items()}
 CACHE_VERSION = 2  # 2: fp16 is measured on CPUs too
 
 
@@ -303,9 +306,8 @@ def memory_gbps(device: torch.device, mib: int = 256) -> float:
 def measure(device: torch.device) -> DeviceProfile:
     """The device's profile, measured now (about a second)."""
     identity = _identity(device)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     rates = {}
-    for name, dtype in dtypes.items():
+    for name, dtype in DTYPES.items():
         try:
             rates[name] = round(matmul_gflops(device, dtype), 2)
         except (RuntimeError, TypeError):  # a dtype the device does not multiply at all

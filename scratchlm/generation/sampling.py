@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.layers import softmax
+from scratchlm.model.attention import softmax
 
 
 class InvalidOption(ScratchlmError):

@@ -82,6 +82,14 @@ def _head(base, b, h, stride_b, stride_h):
 
 
 @triton.jit
+def _program(heads, BLOCK: tl.constexpr):
+    """Where this program sits in a grid of (batch × `heads`, blocks of `BLOCK` rows): its batch-and-head
+    index `b · heads + h`, the batch row `b`, the head `h` and the first row of its block."""
+    bh, block = tl.program_id(0), tl.program_id(1)
+    return bh, bh // heads, bh % heads, block * BLOCK
+
+
+@triton.jit
 def _tile(base, start, stride, length, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
           TRANSPOSED: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
     """Rows `start … start + BLOCK - 1` of the (length, HEAD_DIM) matrix at `base` (row stride `stride`, unit
@@ -103,6 +111,15 @@ def _tile(base, start, stride, length, BLOCK: tl.constexpr, HEAD_DIM: tl.constex
     else:
         tile = tl.load(ptrs, mask=in_rows & in_cols, other=0.0)
     return tile
+
+
+@triton.jit
+def _head_tile(base, b, h, stride_b, stride_h, stride_s, start, length, BLOCK: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """Rows `start …` of batch row `b`, head `h` of a (batch, heads, length, HEAD_DIM) tensor as a (BLOCK,
+    D_PAD) tile: the block of queries or keys that a program owns."""
+    matrix = _head(base, b, h, stride_b, stride_h)
+    return _tile(matrix, start, stride_s, length, BLOCK, HEAD_DIM, D_PAD, False, False)
 
 
 @triton.jit
@@ -174,11 +191,8 @@ def _forward_kernel(
     """O and L of one block of queries of one head (program (b · heads + h, block)), over the keys it sees.
     Batch × heads is the grid's first axis, which CUDA allows 2^31 - 1 programs, the query blocks its second
     (65,535)."""
-    bh, pid_m = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    start_m = pid_m * BLOCK_M
-    q = _tile(_head(Q, b, h, stride_qb, stride_qh), start_m, stride_qs, seq_q, BLOCK_M, HEAD_DIM, D_PAD,
-              False, False)  # fmt: skip
+    bh, b, h, start_m = _program(heads, BLOCK_M)
+    q = _head_tile(Q, b, h, stride_qb, stride_qh, stride_qs, start_m, seq_q, BLOCK_M, HEAD_DIM, D_PAD)
     k_base = _head(K, b, h // group, stride_kb, stride_kh)
     v_base = _head(V, b, h // group, stride_vb, stride_vh)
 
@@ -329,14 +343,10 @@ def _backward_kv_kernel(
 ):  # fmt: skip
     """dK and dV of one block of keys of one key/value head (program (b · kv_heads + kv, block)), summed
     over its group's query heads."""
-    bkv, pid_n = tl.program_id(0), tl.program_id(1)
-    b, kv = bkv // kv_heads, bkv % kv_heads
-    start_n = pid_n * BLOCK_N
+    bkv, b, kv, start_n = _program(kv_heads, BLOCK_N)
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = _tile(_head(K, b, kv, stride_kb, stride_kh), start_n, stride_ks, seq_k, BLOCK_N, HEAD_DIM, D_PAD,
-              False, False)  # fmt: skip
-    v = _tile(_head(V, b, kv, stride_vb, stride_vh), start_n, stride_vs, seq_k, BLOCK_N, HEAD_DIM, D_PAD,
-              False, False)  # fmt: skip
+    k = _head_tile(K, b, kv, stride_kb, stride_kh, stride_ks, start_n, seq_k, BLOCK_N, HEAD_DIM, D_PAD)
+    v = _head_tile(V, b, kv, stride_vb, stride_vh, stride_vs, start_n, seq_k, BLOCK_N, HEAD_DIM, D_PAD)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
@@ -402,14 +412,10 @@ def _backward_q_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP32_DOTS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dQ of one block of queries of one head (program (b · heads + h, block)), over the keys it sees."""
-    bh, pid_m = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    start_m = pid_m * BLOCK_M
+    bh, b, h, start_m = _program(heads, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(_head(Q, b, h, stride_qb, stride_qh), start_m, stride_qs, seq_q, BLOCK_M, HEAD_DIM, D_PAD,
-              False, False)  # fmt: skip
-    do = _tile(_head(DO, b, h, stride_dob, stride_doh), start_m, stride_dos, seq_q, BLOCK_M, HEAD_DIM, D_PAD,
-               False, False)  # fmt: skip
+    q = _head_tile(Q, b, h, stride_qb, stride_qh, stride_qs, start_m, seq_q, BLOCK_M, HEAD_DIM, D_PAD)
+    do = _head_tile(DO, b, h, stride_dob, stride_doh, stride_dos, start_m, seq_q, BLOCK_M, HEAD_DIM, D_PAD)
     lse = _load_rows(LSE + bh.to(tl.int64) * seq_q, rows, seq_q)
     delta = _load_rows(DELTA + bh.to(tl.int64) * seq_q, rows, seq_q)
     k_base = _head(K, b, h // group, stride_kb, stride_kh)

@@ -15,8 +15,8 @@ half also reads the output of its mirror image in the first half).
 
 `attention` chooses how attention is computed, not what: "triton" is the FlashAttention-2 kernel of
 `scratchlm.kernels`, "torch" the blocked implementation written from tensor operations
-(`scratchlm.model.layers.causal_attention`), and "auto" (default) the kernel for tensors on a CUDA device when
-Triton imports, the blocked implementation elsewhere. It leaves the weights, the state dict and export alone.
+(`scratchlm.model.attention.causal_attention`), and "auto" (default) the kernel for tensors on a CUDA device
+when Triton imports, the blocked implementation elsewhere. It leaves the weights, the state dict and export alone.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ residual addition as in the original Transformer (`x = ln1(x + attn(x))`, `x = l
 output is already normalised, so there is no `ln_final`), `norm="none"` drops every RMSNorm, `positions="none"`
 drops RoPE (causal attention alone still tells a token how many tokens precede it), `ffn="silu"` swaps SwiGLU
 for `W2 silu(W1 x)`, and `tie_embeddings` makes the LM head reuse the token embedding matrix. The fast
-recipe's switches are `qk_norm` and `ffn="relu2"` (in `scratchlm.model.layers`), `zero_init` (each block's
-output projections start at zero, so the model starts as embeddings -> head and every block learns a change
-of the residual stream from nothing), `logit_softcap` (`c · tanh(z / c)`), `value_embeddings` and
-`unet_skips` (both from modded-nanogpt):
+recipe's switches are `qk_norm` (`scratchlm.model.attention`) and `ffn="relu2"` (`scratchlm.model.ffn`),
+`zero_init` (each block's output projections start at zero, so the model starts as embeddings -> head and
+every block learns a change of the residual stream from nothing), `logit_softcap` (`c · tanh(z / c)`),
+`value_embeddings` and `unet_skips` (both from modded-nanogpt):
 
     value_embeddings = n:  block i and block L - n + i (i < n) add a table of their own, ve_i[token], to the
                            attention values (`MultiHeadSelfAttention`): a token's identity reaches the tokens
@@ -35,21 +35,13 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.attention import MultiHeadSelfAttention
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.ffn import feed_forward
 from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache
-from scratchlm.model.layers import (
-    ConfigModule,
-    Device,
-    DType,
-    Embedding,
-    Linear,
-    MultiHeadSelfAttention,
-    RMSNorm,
-    _at_least_float32,
-    feed_forward,
-    handout_config,
-)
+from scratchlm.model.layers import Embedding, Linear, RMSNorm, at_least_float32
 from scratchlm.model.loss import fused_linear_cross_entropy
+from scratchlm.model.part import ConfigModule, Device, DType, handout_config
 
 
 class TransformerBlock(ConfigModule):
@@ -215,7 +207,7 @@ class TransformerLM(ConfigModule):
             # In at least float32 (tanh in bfloat16 would round most logits): about the identity for |z| << c
             # and bounded by ±c, so no logit can run away from the others.
             cap = self.config.logit_softcap
-            logits = cap * torch.tanh(_at_least_float32(logits) / cap)
+            logits = cap * torch.tanh(at_least_float32(logits) / cap)
         return logits
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

@@ -12,12 +12,13 @@ A training run lives in one directory (`logging.run_dir`):
 
 Everything that reads or writes these files goes through this package: `RunDirectory` knows the paths and
 finds checkpoints and locks the run for one trainer, `Checkpoint` is the one reader and writer of checkpoint
-files (`scratchlm.run.checkpoint`, the only module that knows their keys), `check_pair` decides whether a
-tokenizer belongs to a model, `RunSummary` is the typed summary with its `StopReason`, `read_metrics` parses the metrics
-log, and `load_trained` loads a trained model together with its tokenizer for inference.
+files, with what a training run adds in its `TrainingState` (`scratchlm.run.checkpoint`, the only module that
+knows their keys), `check_pair` decides whether a tokenizer belongs to a model, `RunSummary` is the typed
+summary with its `StopReason`, `read_metrics` parses the metrics log, and `load_trained` loads a trained model
+together with its tokenizer for inference.
 """
 
-from scratchlm.run.checkpoint import Checkpoint
+from scratchlm.run.checkpoint import Checkpoint, TrainingState
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import TrainedModel, check_pair, load_trained
 from scratchlm.run.metrics import read_metrics
@@ -29,6 +30,7 @@ __all__ = [
     "RunSummary",
     "StopReason",
     "TrainedModel",
+    "TrainingState",
     "check_pair",
     "load_trained",
     "read_metrics",

@@ -9,11 +9,14 @@ A checkpoint is one `torch.save`d dict:
     optimizer     the optimizer's state dict (absent from an imported model, which has none)
     iteration     the number of optimizer steps taken
     model_config  `ModelConfig.to_dict()`, so the model can be rebuilt without the training config
-    train_config, tokenizer_fingerprint, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision,
-    time_budget, loss_scale
-                  what a training run adds: its config, the RNG and data-sampling states, its time, what
-                  `precision = "auto"` resolved to, the time budget's decision and, in fp16, the loss
-                  scaler's state (`Checkpoint`)
+    tokenizer_fingerprint
+                  that of the tokenizer the model was trained or imported with, when known
+    imported_from the directory an imported model was read from
+    train_config, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision, time_budget, loss_scale
+                  what a training run adds (`TrainingState`): its config, the RNG and data-sampling states,
+                  its time, what `precision = "auto"` resolved to, the time budget's decision and, in fp16,
+                  the loss scaler's state. A checkpoint has a training state when it has a `train_config`;
+                  `elapsed_s` and `tokens` are in every checkpoint (0 for an imported model)
 
 Compiled (`torch.compile`) and data-parallel (`DistributedDataParallel`) models wrap the real module and prefix
 its parameter names with `_orig_mod.` and `module.`; the checkpoint always stores the unwrapped names, so it
@@ -33,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,7 +48,7 @@ from scratchlm.model.config import ModelConfig
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 CHECKSUM_KEY = "sha256"
-# The keys of the checkpoint dict (the module docstring); `Checkpoint` holds one field for each.
+# The keys of the checkpoint dict (the module docstring): a field of `Checkpoint` or its `TrainingState` each.
 MODEL, OPTIMIZER, STEP, MODEL_CONFIG = "model", "optimizer", "iteration", "model_config"
 TRAIN_CONFIG, TOKENIZER_FINGERPRINT, PRECISION, TIME_BUDGET = (
     "train_config",
@@ -212,6 +215,56 @@ def load_checkpoint(
 
 
 @dataclass
+class TrainingState:
+    """What a training run adds to its model: what continues the run exactly (`scratchlm.training.start`)."""
+
+    config: dict[str, Any]  # TrainConfig.to_dict()
+    data_rng: dict[str, Any] | None = None  # the data-sampling generator's state after `step` steps
+    torch_rng: torch.Tensor | None = None
+    cuda_rng: torch.Tensor | None = None
+    elapsed_s: float = 0.0  # seconds of training over all sessions
+    tokens: int = 0
+    precision: str | None = None  # what training.precision resolved to
+    time_budget: dict[str, Any] | None = None  # the time budget's decision (scratchlm.training.budget)
+    loss_scale: dict[str, Any] | None = None  # fp16: the loss scaler's state (scratchlm.training.loss_scale)
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any]) -> TrainingState | None:
+        """The training state of a checkpoint dict; None for one without (an imported model)."""
+        if TRAIN_CONFIG not in state:  # a training run always records its config
+            return None
+        return cls(
+            config=state[TRAIN_CONFIG],
+            data_rng=state.get(DATA_RNG),
+            torch_rng=state.get(TORCH_RNG),
+            cuda_rng=state.get(CUDA_RNG),
+            elapsed_s=float(state.get(ELAPSED, 0.0)),
+            tokens=int(state.get(TOKENS, 0)),
+            precision=state.get(PRECISION),
+            time_budget=state.get(TIME_BUDGET),
+            loss_scale=state.get(LOSS_SCALE),
+        )
+
+
+_TRAINING_NAMES = {
+    "train_config": "config",
+    **{
+        name: name
+        for name in (
+            "data_rng",
+            "torch_rng",
+            "cuda_rng",
+            "elapsed_s",
+            "tokens",
+            "precision",
+            "time_budget",
+            "loss_scale",
+        )
+    },
+}
+
+
+@dataclass
 class Checkpoint:
     """The typed content of a checkpoint file. `read` converts any checkpoint scratchlm has written (a key it
     lacks takes its default), so the rest of the code never looks at the dict."""
@@ -220,23 +273,24 @@ class Checkpoint:
     step: int
     model_config: ModelConfig
     optimizer: dict[str, Any] | None = None  # None: an imported model, which has none
-    train_config: dict[str, Any] = field(default_factory=dict)  # TrainConfig.to_dict(); empty when imported
-    tokenizer_fingerprint: str | None = None  # that of the tokenizer the model was trained with, when known
-    data_rng: dict[str, Any] | None = None  # the data-sampling generator's state after `step` steps
-    torch_rng: torch.Tensor | None = None
-    cuda_rng: torch.Tensor | None = None
-    elapsed_s: float = 0.0  # seconds of training over all sessions
-    tokens: int = 0
-    precision: str | None = None  # what training.precision resolved to
-    time_budget: dict[str, Any] | None = None  # the time budget's decision (scratchlm.training.budget)
+    tokenizer_fingerprint: str | None = (
+        None  # that of the tokenizer it was trained or imported with, if known
+    )
     imported_from: str | None = None  # the directory an imported model was read from
-    loss_scale: dict[str, Any] | None = None  # fp16: the loss scaler's state (scratchlm.training.loss_scale)
+    training: TrainingState | None = None  # None: an imported model
 
     @property
     def tokenizer_dir(self) -> str | None:
         """The tokenizer directory the run's training config named (`data.tokenizer`), if any."""
-        data = self.train_config.get("data") or {}
+        data = (self.training.config.get("data") if self.training else None) or {}
         return data.get("tokenizer") or None
+
+    def __getattr__(self, name: str) -> Any:
+        # The training fields were `Checkpoint`'s own before `TrainingState` grouped them: code written then
+        # still reads them here (an imported model's are the defaults).
+        if name not in _TRAINING_NAMES:
+            raise AttributeError(f"'Checkpoint' object has no attribute '{name}'")
+        return getattr(self.__dict__.get("training") or TrainingState({}), _TRAINING_NAMES[name])
 
     @classmethod
     def of(cls, model: torch.nn.Module, step: int, **fields: Any) -> Checkpoint:
@@ -251,19 +305,20 @@ class Checkpoint:
             STEP: self.step,
             MODEL_CONFIG: self.model_config.to_dict(),
         }
+        training = self.training or TrainingState({})  # an imported model: no config, 0 s and 0 tokens
         optional = {
             OPTIMIZER: self.optimizer,
-            TRAIN_CONFIG: self.train_config or None,
+            TRAIN_CONFIG: training.config or None,
             TOKENIZER_FINGERPRINT: self.tokenizer_fingerprint,
-            DATA_RNG: self.data_rng,
-            TORCH_RNG: self.torch_rng,
-            CUDA_RNG: self.cuda_rng,
-            ELAPSED: self.elapsed_s,
-            TOKENS: self.tokens,
-            PRECISION: self.precision,
-            TIME_BUDGET: self.time_budget,
+            DATA_RNG: training.data_rng,
+            TORCH_RNG: training.torch_rng,
+            CUDA_RNG: training.cuda_rng,
+            ELAPSED: training.elapsed_s,
+            TOKENS: training.tokens,
+            PRECISION: training.precision,
+            TIME_BUDGET: training.time_budget,
             IMPORTED_FROM: self.imported_from,
-            LOSS_SCALE: self.loss_scale,
+            LOSS_SCALE: training.loss_scale,
         }
         state.update({key: value for key, value in optional.items() if value is not None})
         _write(state, path)
@@ -280,19 +335,10 @@ class Checkpoint:
             step=int(state[STEP]),
             model_config=ModelConfig.from_dict(state[MODEL_CONFIG]),
             optimizer=state.get(OPTIMIZER),
-            train_config=state.get(TRAIN_CONFIG) or {},
             tokenizer_fingerprint=state.get(TOKENIZER_FINGERPRINT),
-            data_rng=state.get(DATA_RNG),
-            torch_rng=state.get(TORCH_RNG),
-            cuda_rng=state.get(CUDA_RNG),
-            elapsed_s=float(state.get(ELAPSED, 0.0)),
-            tokens=int(state.get(TOKENS, 0)),
-            precision=state.get(PRECISION),
-            time_budget=state.get(TIME_BUDGET),
             imported_from=state.get(IMPORTED_FROM),
-            loss_scale=state.get(LOSS_SCALE),
+            training=TrainingState.from_checkpoint(state),
         )
 
     def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Put the weights (and the optimizer state) into `model` (and `optimizer`)."""
         load_checkpoint({MODEL: self.model, OPTIMIZER: self.optimizer, STEP: self.step}, model, optimizer)

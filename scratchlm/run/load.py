@@ -86,13 +86,14 @@ def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> T
     model = TransformerLM(checkpoint.model_config, device=device)
     checkpoint.load_into(model)
     model.eval()
+    training = checkpoint.training
     return TrainedModel(
         model,
         None,
         path,
-        checkpoint.train_config,
+        training.config if training is not None else {},
         checkpoint.tokenizer_fingerprint,
-        checkpoint.precision,
+        training.precision if training is not None else None,
         checkpoint.tokenizer_dir,
     )
 

@@ -136,7 +136,6 @@ class Reporter:
         self.logger.note(SetupRecord(**self._head(step, elapsed_s), setup=setup).to_dict())
 
     def _head(self, step: int, elapsed_s: float) -> dict[str, Any]:
-        """The fields every record starts with: step, time, tokens."""
         return {"step": step, "time": round(elapsed_s, 3), "tokens": step * self.tokens_per_step}
 
     def train(self, step: int, elapsed_s: float, **fields: Any) -> None:

@@ -70,13 +70,18 @@ def restore(
     existing, checkpoint, damaged = _newest_intact_checkpoint(run_dir, dist)
     _check_config_changes(run_dir, config, checkpoint, allow_config_change, dist)
     checkpoint.load_into(model, optimizer)
-    fresh.generator.bit_generator.state = checkpoint.data_rng
-    torch.set_rng_state(checkpoint.torch_rng)
-    if device.type == "cuda" and checkpoint.cuda_rng is not None:
-        torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
+    training = checkpoint.training
+    if training is None:
+        raise ScratchlmError(
+            f"{existing} has no training state to resume: start a new run from it (training.init_from)"
+        )
+    fresh.generator.bit_generator.state = training.data_rng
+    torch.set_rng_state(training.torch_rng)
+    if device.type == "cuda" and training.cuda_rng is not None:
+        torch.cuda.set_rng_state(training.cuda_rng, device)
     budget = fresh.budget
-    if checkpoint.time_budget is not None:  # the length this run decided: the same schedule continues
-        budget = TimeBudget(config, BudgetDecision.from_dict(checkpoint.time_budget))
+    if training.time_budget is not None:  # the length this run decided: the same schedule continues
+        budget = TimeBudget(config, BudgetDecision.from_dict(training.time_budget))
     if dist.is_main:
         for bad in damaged:  # only now that the resume goes ahead: a refused one changes nothing
             console.print(f"set {bad} aside as {run_dir.set_aside(bad).name}", style="yellow")
@@ -84,7 +89,7 @@ def restore(
             console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
         console.print(f"resuming from {existing} (step {checkpoint.step})")
     return Progress(
-        checkpoint.step, checkpoint.step, fresh.generator, checkpoint.elapsed_s, budget, checkpoint.loss_scale
+        checkpoint.step, checkpoint.step, fresh.generator, training.elapsed_s, budget, training.loss_scale
     )
 
 
@@ -147,7 +152,7 @@ def _check_config_changes(
 ) -> None:
     """Compare the config with the one the checkpoint was trained with (or, failing that, the run's
     config.toml): a difference is refused unless `allowed`, and then named."""
-    recorded = checkpoint.train_config or None
+    recorded = checkpoint.training.config if checkpoint.training is not None else None
     if recorded is None and run_dir.config.is_file():
         recorded = read_toml(run_dir.config)
     changes = config_changes(recorded, config) if recorded is not None else []

@@ -28,7 +28,7 @@ from scratchlm.device import Plan
 from scratchlm.errors import DivergedError
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run.checkpoint import Checkpoint
+from scratchlm.run.checkpoint import Checkpoint, TrainingState
 from scratchlm.run.directory import RunDirectory
 from scratchlm.training.budget import TimeBudget
 from scratchlm.training.config import TrainConfig
@@ -109,7 +109,6 @@ class TrainStep:
         return loss_sum, grad_norm, applied
 
     def update(self, applied: bool) -> None:
-        """Apply the step's update (unless it was skipped) and clear the gradients."""
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -117,15 +116,11 @@ class TrainStep:
     def checkpoint(
         self, step: int, data_rng: dict[str, Any], elapsed_s: float, budget: TimeBudget
     ) -> Checkpoint:
-        """Everything that continues the run exactly after `step` steps: the model, the optimizer, the RNG
-        states (`data_rng`: the sampling generator's after `step` steps), the time, the precision, the time
-        budget's decision and, in fp16, the loss scale."""
+        """Everything that continues the run exactly after `step` steps (`data_rng`: the sampling generator's
+        state after them)."""
         cuda = self.device.type == "cuda"
-        return Checkpoint.of(
-            self.model,
-            step,
-            optimizer=self.optimizer.state_dict(),
-            train_config=self.config.to_dict(),
+        training = TrainingState(
+            config=self.config.to_dict(),
             data_rng=data_rng,
             torch_rng=torch.get_rng_state(),
             cuda_rng=torch.cuda.get_rng_state(self.device) if cuda else None,
@@ -135,6 +130,7 @@ class TrainStep:
             time_budget=None if budget.decision is None else budget.decision.to_dict(),
             loss_scale=self.scaler.state_dict() if self.scaler.enabled else None,
         )
+        return Checkpoint.of(self.model, step, optimizer=self.optimizer.state_dict(), training=training)
 
     @torch.no_grad()
     def validation_loss(self, tokens: np.ndarray) -> float:

@@ -240,7 +240,6 @@ class _Run:
         return loss, grad_norm, applied
 
     def _start(self) -> None:
-        """Write the run's config, announce the run, open the metrics log and start the clocks."""
         parameters = self.model.num_parameters()
         self.report.open(parameters, self.data.tokenizer, self.budget, self.step, self.elapsed_before)
         self.session_start = clock()
