@@ -22,6 +22,11 @@ torch.set_num_threads(1)
 os.environ.setdefault(
     "SCRATCHLM_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(), "scratchlm-test-cache")
 )
+# Likewise the copies of an export's modeling code that transformers makes when it loads one with
+# `trust_remote_code` (it reads the variable when it is first imported).
+os.environ.setdefault(
+    "HF_MODULES_CACHE", os.path.join(__import__("tempfile").gettempdir(), "scratchlm-test-hf-modules")
+)
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

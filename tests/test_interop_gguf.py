@@ -2,7 +2,8 @@
 
 The fast tests read the file back and check its metadata, the tokenizer embedded in it (token text decoded
 with transformers' own copy of GPT-2's byte table) and every tensor, by llama.cpp's names and layout, against
-the scratchlm model in each precision. The slow test runs the file in llama.cpp (`llama-cpp-python`, which
+the scratchlm model in each precision; a model that llama.cpp's llama architecture does not compute is refused
+in one line naming its features. The slow test runs the file in llama.cpp (`llama-cpp-python`, which
 builds llama.cpp from source when it is installed): its tokenization of the fixture texts and its greedy
 tokens for a prompt must equal scratchlm's.
 """
@@ -16,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 from helpers import fixture_path
-from interop_helpers import FIXTURE_TEXTS, make_run, run_cli, scratch_model, small_tokenizer
+from interop_helpers import (
+    FIXTURE_TEXTS,
+    assert_one_line_error,
+    make_run,
+    run_cli,
+    scratch_model,
+    small_tokenizer,
+)
 
 from scratchlm import ModelConfig, generate
 from scratchlm.tokenizer import END_OF_TEXT
@@ -135,6 +143,42 @@ def test_tensors_read_back_in_llama_cpp_names_and_layout(tmp_path, capsys, dtype
         else:
             assert tensor.tensor_type.name == ggml_type
             np.testing.assert_array_equal(values, ours.to(rounding).float().numpy())
+
+
+@pytest.mark.parametrize(
+    ("changes", "features"),
+    [
+        ({"norm": "post"}, "post-norm (model.norm = 'post')"),
+        ({"norm": "none"}, "blocks without RMSNorm (model.norm = 'none')"),
+        ({"positions": "none"}, "NoPE (model.positions = 'none')"),
+        ({"ffn": "silu"}, "SiLU MLP (model.ffn = 'silu')"),
+        ({"qk_norm": True}, "QK-norm (model.qk_norm = True)"),
+        ({"value_embeddings": 1}, "value embeddings (model.value_embeddings = 1)"),
+        ({"unet_skips": True}, "U-net skips (model.unet_skips = True)"),
+        (
+            {"ffn": "relu2", "logit_softcap": 15.0},
+            "ReLU² MLP (model.ffn = 'relu2') or logit soft-capping (model.logit_softcap = 15.0)",
+        ),
+        (
+            {"norm": "post", "qk_norm": True, "logit_softcap": 15.0},
+            "post-norm (model.norm = 'post'), QK-norm (model.qk_norm = True) or logit soft-capping "
+            "(model.logit_softcap = 15.0)",
+        ),
+    ],
+)
+def test_export_refuses_what_llama_cpp_cannot_compute(tmp_path, capsys, changes, features):
+    make_run(tmp_path / "run", scratch_model(dataclasses.replace(SMALL, **changes)), small_tokenizer())
+    out = tmp_path / "model.gguf"
+    status, _, err = run_cli(
+        ["export", "--run", str(tmp_path / "run"), "--format", "gguf", "--out", str(out)], capsys
+    )
+    assert_one_line_error(
+        status,
+        err,
+        f"cannot export to gguf: the llama architecture of llama.cpp has no {features}; --format hf writes it "
+        "with its modeling code",
+    )
+    assert not out.exists()
 
 
 def test_export_refuses_to_overwrite_a_file_that_is_not_gguf(tmp_path, capsys):

@@ -2,9 +2,10 @@
 
 - Llama checkpoints made by transformers (with and without grouped-query attention and tied embeddings, one
   safetensors file or shards) import into scratchlm models whose logits equal transformers' to 1e-4.
-- scratchlm models export to directories that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load
-  with no custom code: equal logits, the same 32 greedy tokens, and export -> import gives back the same
-  tensors bit for bit. QK-norm exports as Qwen3, which computes the same function.
+- scratchlm models of the Llama architecture export to directories that `AutoModelForCausalLM` /
+  `AutoTokenizer.from_pretrained` load with no custom code: equal logits, the same 32 greedy tokens, and
+  export -> import gives back the same tensors bit for bit. QK-norm exports as Qwen3, which computes the same
+  function. (Every other model exports with its own modeling code: tests/test_interop_remote_code.py.)
 - The exported tokenizer.json gives scratchlm's ids on the fixture texts and on random Unicode, and decodes
   alike; a tokenizer.json made by `tokenizers` imports as the same tokenizer.
 - Every refusal, and every corrupt input, is one line and exit status 2.
@@ -290,49 +291,6 @@ def test_tokenizer_json_made_by_tokenizers_imports_as_the_same_tokenizer(tmp_pat
 
 
 # -- refusals and corrupt inputs -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("changes", "feature"),
-    [
-        ({"norm": "post"}, "post-norm (model.norm = 'post')"),
-        ({"norm": "none"}, "no RMSNorm (model.norm = 'none')"),
-        ({"positions": "none"}, "NoPE (no position encoding) (model.positions = 'none')"),
-        ({"ffn": "silu"}, "the SiLU MLP (model.ffn = 'silu')"),
-        ({"ffn": "relu2"}, "the ReLU² MLP (model.ffn = 'relu2')"),
-        ({"logit_softcap": 30.0}, "logit soft-capping (model.logit_softcap = 30.0)"),
-        ({"qk_norm": True, "logit_softcap": 30.0}, "logit soft-capping (model.logit_softcap = 30.0)"),
-        ({"value_embeddings": 1}, "value embeddings (model.value_embeddings = 1)"),
-        ({"unet_skips": True}, "U-net skips (model.unet_skips = True)"),
-    ],
-)
-def test_export_refuses_what_the_target_cannot_compute(tmp_path, capsys, changes, feature):
-    model = scratch_model(dataclasses.replace(SMALL, **changes))
-    make_run(tmp_path / "run", model, small_tokenizer())
-    for fmt in ("hf", "gguf"):
-        out = tmp_path / f"out-{fmt}"
-        status, _, err = run_cli(
-            ["export", "--run", str(tmp_path / "run"), "--format", fmt, "--out", str(out)], capsys
-        )
-        assert_one_line_error(status, err, f"cannot export to {fmt}", feature)
-        assert not out.exists()
-
-
-def test_qk_norm_has_an_hf_architecture_but_no_gguf_one(tmp_path, capsys):
-    make_run(tmp_path / "run", scratch_model(dataclasses.replace(SMALL, qk_norm=True)), small_tokenizer())
-    status, _, err = run_cli(
-        ["export", "--run", str(tmp_path / "run"), "--format", "gguf", "--out", str(tmp_path / "m.gguf")],
-        capsys,
-    )
-    assert_one_line_error(status, err, "cannot export to gguf: the Llama architecture has no QK-norm")
-    softcapped = dataclasses.replace(SMALL, qk_norm=True, logit_softcap=30.0)
-    make_run(tmp_path / "run2", scratch_model(softcapped), small_tokenizer())
-    status, _, err = run_cli(
-        ["export", "--run", str(tmp_path / "run2"), "--format", "hf", "--out", str(tmp_path / "hf")], capsys
-    )
-    assert_one_line_error(
-        status, err, "(model.logit_softcap = 30.0) (nor in Qwen3ForCausalLM, which adds QK-norm"
-    )
 
 
 def test_zero_init_exports_since_it_changes_only_the_initial_weights(tmp_path, capsys):

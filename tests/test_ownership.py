@@ -19,6 +19,7 @@ INFERENCE = [
     "interop",
     "serving",
     "evaluation.py",
+    "harness.py",
     "cli/generate.py",
     "cli/eval.py",
     "cli/export.py",
@@ -90,8 +91,8 @@ def test_a_checkpoint_written_by_earlier_code_still_loads(tmp_path):
     raw = torch.load(path, map_location="cpu", weights_only=True)
     checkpoint = Checkpoint.read(path)
     assert checkpoint.step == raw["iteration"] == 3
-    assert checkpoint.model_config.vocab_size == 32 and checkpoint.time_budget is None
-    assert checkpoint.precision == "fp32" and checkpoint.optimizer is not None
+    assert checkpoint.model_config.vocab_size == 32 and checkpoint.training.time_budget is None
+    assert checkpoint.training.precision == "fp32" and checkpoint.optimizer is not None
     trained = load_trained(FIXTURE)
     assert trained.checkpoint == path
     state = trained.model.state_dict()

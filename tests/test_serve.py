@@ -6,7 +6,6 @@ and `echo`."""
 from __future__ import annotations
 
 import html.parser
-import http.client
 import json
 import os
 import shutil
@@ -14,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,15 +24,13 @@ pytest.importorskip("starlette", reason="starlette not installed (pip install 's
 pytest.importorskip("uvicorn", reason="uvicorn not installed (pip install 'scratchlm[serve]')")
 openai = pytest.importorskip("openai", reason="openai not installed (the test oracle)")
 from interop_helpers import make_run, scratch_model, small_tokenizer  # noqa: E402
+from serve_helpers import TIMEOUT, Reply, Running, connect, log_softmax_oracle, request  # noqa: E402
 
-from scratchlm.generation.generate import generate_stream  # noqa: E402
 from scratchlm.generation.sampling import SamplingOptions  # noqa: E402
 from scratchlm.model.config import ModelConfig  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
 from scratchlm.serving.engine import Engine  # noqa: E402
 from scratchlm.serving.requests import APIError, parse_completion_request  # noqa: E402
-from scratchlm.serving.server import build_server  # noqa: E402
-from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
 
 CONTEXT = 64
 PROMPTS = [
@@ -47,46 +43,6 @@ PROMPTS = [
     "It was a dark and stormy night, and",
     "1 2 3",
 ]
-TIMEOUT = 30  # seconds: every request of these tests is bounded
-
-
-class Running:
-    """A server in a thread, its engine, the model and tokenizer it serves, and its base URL."""
-
-    def __init__(self, trained, name: str, api_key: str | None = None, **engine_options) -> None:
-        self.model, self.tokenizer, self.name = trained.model, trained.tokenizer, name
-        self.eos_id = self.tokenizer.token_id(END_OF_TEXT)
-        self.engine = Engine(self.model, self.eos_id, **engine_options)
-        self.engine.start()
-        self.server = build_server(self.engine, self.tokenizer, name, port=0, api_key=api_key)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + TIMEOUT
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key=api_key or "none", timeout=TIMEOUT, max_retries=0
-        )
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(TIMEOUT)
-        self.engine.stop()
-
-    def expected(self, prompt: str, max_tokens: int, **options) -> list[int]:
-        """`generate_stream`'s tokens (as `scratchlm generate` runs it), up to end-of-text, which it ends."""
-        out = []
-        stream = generate_stream(
-            self.model, self.tokenizer.encode(prompt), max_tokens, eos_id=self.eos_id, **options
-        )
-        for token in stream:
-            if token == self.eos_id:
-                break
-            out.append(token)
-        return out
 
 
 def in_flight(engine: Engine) -> int:
@@ -272,7 +228,7 @@ def test_the_sampling_fields_keep_their_messages_and_parameters() -> None:
 
     def refusal(body: dict) -> tuple[str, str | None]:
         with pytest.raises(APIError) as caught:
-            parse_completion_request({"prompt": "a", **body}, "m", CONTEXT)
+            parse_completion_request({"prompt": "a", **body}, "m", CONTEXT, 100)
         return caught.value.message, caught.value.param
 
     temperature = "temperature must be a finite number >= 0 (0 = greedy), got -0.5"
@@ -284,9 +240,9 @@ def test_the_sampling_fields_keep_their_messages_and_parameters() -> None:
     max_tokens = f"'max_tokens' must be between 0 and the context length {CONTEXT}, got -1"
     assert refusal({"max_tokens": -1}) == (max_tokens, "max_tokens")
     body = {"prompt": "a", "stop": "\n", "top_k": 3, "temperature": 0, "seed": None}
-    parsed = parse_completion_request(body, "m", CONTEXT).options
+    parsed = parse_completion_request(body, "m", CONTEXT, 100).options
     assert parsed == SamplingOptions(16, temperature=0.0, top_k=3, stop=("\n",))  # OpenAI's max_tokens
-    assert parse_completion_request({"prompt": "a", "top_k": -1}, "m", CONTEXT).options.top_k is None
+    assert parse_completion_request({"prompt": "a", "top_k": -1}, "m", CONTEXT, 100).options.top_k is None
 
 
 def test_n_and_a_list_of_prompts(server) -> None:
@@ -300,13 +256,6 @@ def test_n_and_a_list_of_prompts(server) -> None:
         model="tiny-run", prompt="A", n=3, max_tokens=12, temperature=1.0, seed=1
     )
     assert len({choice.text for choice in sampled.choices}) == 3  # choice i samples with seed + i
-
-
-def log_softmax_oracle(server, ids: list[int]) -> tuple[list[float], list[int]]:
-    """Each token's log-probability given those before it, and the most likely token at each position."""
-    with torch.no_grad():
-        logprobs = torch.log_softmax(server.model(torch.tensor([ids]))[0].double(), dim=-1)
-    return [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))], logprobs.argmax(-1).tolist()
 
 
 def test_echo_with_no_new_tokens_scores_the_prompt(server) -> None:
@@ -367,35 +316,6 @@ def test_chat_completions_is_a_clear_404(server) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         server.client.chat.completions.create(model="tiny-run", messages=[{"role": "user", "content": "hi"}])
     assert "chat template" in caught.value.body["message"]
-
-
-class Reply:
-    """A raw HTTP answer: status and body."""
-
-    def __init__(self, status: int, text: str) -> None:
-        self.status_code, self.text = status, text
-
-    def json(self):
-        return json.loads(self.text)
-
-
-def connect(url: str, timeout: float = TIMEOUT) -> http.client.HTTPConnection:
-    host, port = url.removeprefix("http://").split(":")
-    return http.client.HTTPConnection(host, int(port), timeout=timeout)
-
-
-def request(
-    url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None
-) -> Reply:
-    connection = connect(url)
-    try:
-        connection.request(
-            method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
-        )
-        response = connection.getresponse()
-        return Reply(response.status, response.read().decode())
-    finally:
-        connection.close()
 
 
 def post(url: str, content: bytes, headers: dict | None = None) -> Reply:
@@ -655,7 +575,7 @@ def test_the_page_streams_a_completion_in_chromium(server) -> None:
             )
         )
         shown = browser.find_element(By.ID, "completion").get_attribute("textContent")
-        expected = server.tokenizer.decode(server.expected("The cat sat", 30, temperature=0))
+        expected = server.expected_text("The cat sat", 30, temperature=0)
         assert shown == expected and shown
         assert browser.find_element(By.ID, "prompt-echo").get_attribute("textContent") == "The cat sat"
         # Nothing but the server's own files was requested.

@@ -2,9 +2,10 @@
 format of the registry `EXPORT_FORMATS` (scratchlm/interop/formats.py), which gives `--format` its choices and
 the help its words: this module names no format.
 
-The configuration is checked first: a feature the target's architectures lack is refused by name. With
-transformers installed, what was written is loaded back by transformers and must give scratchlm's logits on
-a fixed input before it takes its name (scratchlm/interop/verify.py).
+The configuration is checked first: the format writes the architecture of its target that computes the model
+exactly, and refuses by name a feature that none of them has. With transformers installed, what was written is
+loaded back by transformers and must give scratchlm's logits on a fixed input before it takes its name
+(scratchlm/interop/verify.py).
 """
 
 from __future__ import annotations
@@ -40,15 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from scratchlm.console import console
-    from scratchlm.interop import LLAMA, describe
+    from scratchlm.interop import export_note
 
     export = EXPORT_FORMATS[args.format].build()
     trained = load_model_source(args)
     result = export(trained, args.out, args.dtype)
-    architecture = result.architecture
-    if architecture is not LLAMA:
-        features = ", ".join(describe(k, v) for k, v in architecture.departures.items())
-        console.print(f"{features}: written as {architecture.hf_class}, which computes the same function")
+    note = export_note(trained.model.config, result.architecture)
+    if note:
+        console.print(note)
     if result.max_logit_difference is None:
         checked = "not checked (transformers is not installed)"
     else:

@@ -1,13 +1,15 @@
-"""`scratchlm import-hf DIR --out RUN_DIR`: a local Hugging Face checkpoint of the Llama architecture (config.json,
-safetensors, and its byte-level BPE tokenizer.json) as a scratchlm run directory, which `generate`, `eval`,
-`export` and `train --init-from` take. See scratchlm/interop/hf.py."""
+"""`scratchlm import-hf DIR --out RUN_DIR`: a local Hugging Face checkpoint of the Llama architecture, or one that
+`scratchlm export --format hf` wrote (config.json, safetensors, and its byte-level BPE tokenizer.json), as a
+scratchlm run directory, which `generate`, `eval`, `export` and `train --init-from` take. An export with its
+modeling code is read from its config.json, without running the code. See scratchlm/interop/hf.py."""
 
 from __future__ import annotations
 
 import argparse
 
 HELP = (
-    "Import a local Hugging Face Llama-architecture checkpoint as a run directory (to generate or fine-tune)."
+    "Import a local Hugging Face checkpoint (Llama architecture, or a scratchlm export) as a run directory "
+    "(to generate or fine-tune)."
 )
 
 

@@ -1,5 +1,5 @@
 """Into and out of the ecosystem: scratchlm models as Hugging Face transformers checkpoints and llama.cpp GGUF
-files, and Llama-architecture checkpoints as scratchlm runs.
+files, and transformers checkpoints (Llama-architecture ones, and scratchlm's own) as scratchlm runs.
 
 Each format is one module, which holds all of it: its `StateDictAdapter` (after torchtitan's
 `state_dict_adapter`: its names for scratchlm's tensors, their layouts, the architectures it writes), its
@@ -9,15 +9,20 @@ line each.
     formats.py          the registry of export formats, `EXPORT_FORMATS`, and what an export returns
     adapter.py          `StateDictAdapter`: scratchlm's state dict <-> a format's tensors, RoPE's row order
     hf.py               transformers: config.json, model.safetensors, generation_config.json, the tokenizer;
-                        `export_hf` and `import_hf`
+                        `export_hf` and `import_hf`, as Llama or Qwen3 where they compute the model exactly
+    hf_remote.py        transformers with the model's own code, for every other model: its config.json, the
+                        files of `remote_code/` (configuration_scratchlm.py, modeling_scratchlm.py) copied in
     gguf.py             llama.cpp: one GGUF file with hyperparameters, tensors and tokenizer; `export_gguf`
     tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`
     verify.py           the logits check every export passes before it is declared a success
 
-This module holds what every format shares and the command line's parser may import (no torch):
-`check_exportable` refuses, naming the feature, any configuration that no architecture of the target
-computes exactly: the configuration is compared field by field with the Llama architecture's, so a switch
-added to `ModelConfig` later is refused until an exporter learns it.
+This module holds what every format shares and the command line's parser may import (no torch): the
+architectures the formats write, and `check_exportable`, which picks the one that computes exactly the model of
+a configuration, or refuses, naming the features none of them has. The configuration is compared field by field
+with the Llama architecture's, so a switch added to `ModelConfig` later is refused until an architecture learns
+it: an upstream architecture computes fixed values of a few fields (`departures`); scratchlm's own, whose
+modeling code travels with a transformers export (`remote_code/`), computes every value of the fields it reads
+(`free`).
 """
 
 from __future__ import annotations
@@ -54,13 +59,14 @@ INIT_ONLY_FIELDS = frozenset({"zero_init"})
 # The Llama architecture's values of the other fields; a field not named here must keep ModelConfig's default.
 LLAMA_VALUES: dict[str, Any] = {"norm": "pre", "positions": "rope", "ffn": "swiglu"}
 
-# How a refused value, or any value of a field, is named in messages (one not listed: by its setting).
+# How a refused value, or any value of a field, is named in messages (one not listed: by its setting). Each
+# reads after "has no".
 FEATURE_NAMES: dict[tuple[str, Any] | str, str] = {
     ("norm", "post"): "post-norm",
-    ("norm", "none"): "no RMSNorm",
-    ("positions", "none"): "NoPE (no position encoding)",
-    ("ffn", "silu"): "the SiLU MLP",
-    ("ffn", "relu2"): "the ReLU² MLP",
+    ("norm", "none"): "blocks without RMSNorm",
+    ("positions", "none"): "NoPE",
+    ("ffn", "silu"): "SiLU MLP",
+    ("ffn", "relu2"): "ReLU² MLP",
     ("qk_norm", True): "QK-norm",
     "logit_softcap": "logit soft-capping",  # any value but 0
     "value_embeddings": "value embeddings",
@@ -70,25 +76,52 @@ FEATURE_NAMES: dict[tuple[str, Any] | str, str] = {
 
 @dataclass(frozen=True)
 class Architecture:
-    """An architecture of the targets that computes exactly scratchlm's model with the settings `departures`
-    (the fields where it differs from Llama's values)."""
+    """An architecture of the targets: it computes exactly scratchlm's model whose fields differ from the Llama
+    architecture's values by `departures`, and by any values of the fields `free` (those its own modeling code
+    reads; an upstream architecture has none)."""
 
     name: str  # transformers' model_type and llama.cpp's general.architecture
     hf_class: str
     departures: dict[str, Any] = field(default_factory=dict)
+    free: tuple[str, ...] = ()
+
+    @property
+    def custom_code(self) -> bool:
+        """Whether a checkpoint of it carries the code that computes it (transformers: `trust_remote_code`)."""
+        return bool(self.free)
+
+    def lacks(self, departures: dict[str, Any]) -> dict[str, Any]:
+        """Those of a configuration's `departures` that this architecture does not compute."""
+        return {k: v for k, v in departures.items() if k not in self.free and self.departures.get(k) != v}
+
+    def computes(self, departures: dict[str, Any]) -> bool:
+        """Whether it computes exactly the model of a configuration with these `departures`."""
+        fixed = {k: v for k, v in departures.items() if k not in self.free}
+        return fixed == self.departures
 
 
 LLAMA = Architecture("llama", "LlamaForCausalLM")
 # Qwen3 is Llama plus an RMSNorm over each head's queries and keys before RoPE, one gain per head dimension
 # shared by the heads, with the model's epsilon: exactly scratchlm's qk_norm.
 QWEN3 = Architecture("qwen3", "Qwen3ForCausalLM", {"qk_norm": True})
+# scratchlm's own model as transformers code (remote_code/modeling_scratchlm.py), every switch of it.
+SCRATCHLM = Architecture(
+    "scratchlm",
+    "ScratchlmForCausalLM",
+    free=("norm", "positions", "ffn", "qk_norm", "logit_softcap", "value_embeddings", "unet_skips"),
+)
 
 
 def describe(name: str, value: Any) -> str:
-    """`post-norm (model.norm = "post")`."""
+    """`post-norm (model.norm = 'post')`."""
     setting = f"model.{name} = {value!r}"
     feature = FEATURE_NAMES.get((name, value)) or FEATURE_NAMES.get(name)
     return f"{feature} ({setting})" if feature else setting
+
+
+def one_of(items: Sequence[str]) -> str:
+    """`a`, `a or b`, `a, b or c`."""
+    return " or ".join(filter(None, (", ".join(items[:-1]), items[-1])))
 
 
 def llama_departures(config: ModelConfig) -> dict[str, Any]:
@@ -103,22 +136,39 @@ def llama_departures(config: ModelConfig) -> dict[str, Any]:
     return departures
 
 
-def check_exportable(config: ModelConfig, format: str, architectures: Sequence[Architecture]) -> Architecture:
-    """The one of `architectures`, those the export format `format` writes, that computes exactly the model of
-    `config`; a one-line error naming the features none of them has."""
+def check_exportable(
+    config: ModelConfig, format: str, reader: str, architectures: Sequence[Architecture]
+) -> Architecture:
+    """The first of `architectures`, those the export format `format` writes for `reader` (the program that
+    reads it), that computes exactly the model of `config`; a one-line error naming the features none of them
+    has, after the architecture that lacks the fewest, and saying where the model does export (`--format hf`,
+    with scratchlm's modeling code) when the format has no such code."""
     departures = llama_departures(config)
     for architecture in architectures:
-        if departures == architecture.departures:
+        if architecture.computes(departures):
             return architecture
-    # Name what is left over from the architecture that covers the most.
     covering = [a for a in architectures if a.departures.items() <= departures.items()]
-    best = max(covering, key=lambda a: len(a.departures))
-    missing = [describe(k, v) for k, v in departures.items() if k not in best.departures]
-    via = f" (nor in {best.hf_class}, which adds {', '.join(describe(k, v) for k, v in best.departures.items())})"
+    best = min(covering, key=lambda a: len(a.lacks(departures)))
+    missing = [describe(k, v) for k, v in best.lacks(departures).items()]
+    elsewhere = not any(a.custom_code for a in architectures) and SCRATCHLM.computes(departures)
     raise ScratchlmError(
-        f"cannot export to {format}: the Llama architecture has no {', '.join(missing)}"
-        f"{via if best is not LLAMA else ''}; only pre-norm RMSNorm, RoPE and SwiGLU models export exactly"
+        f"cannot export to {format}: the {best.name} architecture of {reader} has no {one_of(missing)}"
+        + ("; --format hf writes it with its modeling code" if elsewhere else "")
     )
+
+
+def export_note(config: ModelConfig, architecture: Architecture) -> str | None:
+    """What an export of the model of `config` as `architecture` says of it, when it is not Llama: which
+    features chose the architecture."""
+    if architecture == LLAMA:
+        return None
+    features = ", ".join(describe(k, v) for k, v in llama_departures(config).items())
+    if architecture.custom_code:
+        return (
+            f"{features}: written as {architecture.hf_class} with its modeling code (load it with "
+            "trust_remote_code=True)"
+        )
+    return f"{features}: written as {architecture.hf_class}, which computes the same function"
 
 
 def require(module: str) -> ModuleType:

@@ -2,9 +2,9 @@
 torchtitan's `state_dict_adapter`, whose `to_hf`/`from_hf` are `to_external`/`from_external` here).
 
 A subclass is the format's whole account of its tensors: `names` maps each scratchlm tensor name to the
-format's (`{i}` standing for a block's index), `architectures` lists the architectures it writes, and
-`rotates_halves` says how its RoPE pairs a head's dimensions. A new format adds its own mapping in its own
-module; nothing here lists the formats.
+format's (`{i}` standing for a block's index; a format that keeps scratchlm's names overrides `external_name`
+instead), `architectures` lists the architectures it writes, and `rotates_halves` says how its RoPE pairs a
+head's dimensions. A new format adds its own mapping in its own module; nothing here lists the formats.
 
 The one layout difference is RoPE's. scratchlm rotates adjacent pairs of a head's dimensions, `(x0, x1),
 (x2, x3), ...` (as Meta's original Llama code and llama.cpp's "llama" architecture do); transformers rotates
@@ -70,6 +70,13 @@ class StateDictAdapter:
         meta = TransformerLM(config, device="meta").state_dict()
         self.shapes = {key: tuple(value.shape) for key, value in meta.items()}
 
+    def external_name(self, key: str) -> str:
+        """The format's name of scratchlm's tensor `key`, from `names`."""
+        if key.startswith("layers."):
+            _, layer, name = key.split(".", 2)
+            return self.names[f"layers.{{i}}.{name}"].format(i=layer)
+        return self.names[key]
+
     def entries(self) -> list[TensorName]:
         """Every tensor the format stores for this model, under both names, in the model's order."""
         c = self.config
@@ -79,12 +86,8 @@ class StateDictAdapter:
         for key in self.shapes:
             if key == "lm_head.weight" and c.tie_embeddings:
                 continue
-            if key.startswith("layers."):
-                _, layer, name = key.split(".", 2)
-                template = self.names[f"layers.{{i}}.{name}"]
-                entries.append(TensorName(key, template.format(i=layer), rotated.get(name)))
-            else:
-                entries.append(TensorName(key, self.names[key]))
+            heads = rotated.get(key.split(".", 2)[2]) if key.startswith("layers.") else None
+            entries.append(TensorName(key, self.external_name(key), heads))
         return entries
 
     def to_external(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:

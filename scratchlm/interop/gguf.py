@@ -143,7 +143,7 @@ def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
     """Write `trained` (model and tokenizer) as the GGUF file `out`. With transformers installed, its GGUF
     reader loads the file and its logits are compared with scratchlm's before the file takes its name."""
     out = Path(out)
-    architecture = check_export(trained, GGUFAdapter, dtype)
+    architecture, _ = check_export(trained, (GGUFAdapter,), dtype)
     check_output_file(out, previous=_is_gguf, what="a GGUF file")  # before any work
     require("gguf")
     model = trained.model.cpu().float()

@@ -1,8 +1,9 @@
-"""Hugging Face transformers: export a scratchlm model as a Llama (or Qwen3) checkpoint directory, and import a
-Llama-architecture checkpoint as a scratchlm run directory.
+"""Hugging Face transformers: export a scratchlm model as a transformers checkpoint directory, and import a
+Llama-architecture checkpoint, or such an export, as a scratchlm run directory.
 
-An exported directory loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(
-DIR)`, no custom code:
+The export is written as the transformers architecture that computes the model exactly, when there is one: Llama
+for the model of the CS336 assignment-1 handout, Qwen3 when QK-norm is its only addition. Those load with
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`, no custom code:
 
     config.json              LlamaForCausalLM (Qwen3ForCausalLM for QK-norm): the shape, rope_theta, rms_norm_eps,
                              tie_word_embeddings, no biases
@@ -11,9 +12,13 @@ DIR)`, no custom code:
     generation_config.json   <|endoftext|> as the end of a sequence
     tokenizer.json           byte-level BPE (`tokenizer_json`), with tokenizer_config.json
 
+Every other model is written with scratchlm's own modeling code (`hf_remote.py`): config.json names it, the two
+files sit beside the weights, and `from_pretrained(DIR, trust_remote_code=True)` loads it.
+
 Importing reads `config.json` and the safetensors (one file, or shards listed by model.safetensors.index.json),
-refusing by name every setting scratchlm does not compute (rope scaling, biases, another activation or
-epsilon, sliding windows), and the tokenizer.json if there is one. The run directory it writes is one that
+refusing by name every setting of a Llama or Qwen3 checkpoint that scratchlm does not compute (rope scaling,
+biases, another activation, sliding windows), and the tokenizer.json if there is one. A scratchlm export is read
+without running its code: its config.json names every setting. The run directory it writes is one that
 `generate`, `eval`, `export` and `train --init-from` take:
 
     RUN/checkpoints/step_00000000.pt   the weights (float32), model_config, tokenizer_fingerprint, imported_from
@@ -33,9 +38,16 @@ from torch import Tensor
 
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
-from scratchlm.interop import LLAMA, QWEN3, Architecture, require
+from scratchlm.interop import LLAMA, QWEN3, SCRATCHLM, Architecture, require
 from scratchlm.interop.adapter import StateDictAdapter
 from scratchlm.interop.formats import ExportResult
+from scratchlm.interop.hf_remote import (
+    RemoteCodeAdapter,
+    copy_remote_code,
+    model_config_from_remote,
+    remote_config,
+    remove_code_copy,
+)
 from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
 from scratchlm.interop.verify import (
     DTYPES,
@@ -93,9 +105,17 @@ def hf_config(
 ) -> dict[str, Any]:
     """config.json: transformers' names for the model of `config`."""
     eos = tokenizer.eos_id
-    values: dict[str, Any] = {
+    common: dict[str, Any] = {
         "architectures": [architecture.hf_class],
         "model_type": architecture.name,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if architecture.custom_code:
+        return common | remote_config(config)
+    values = common | {
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.d_ff,
@@ -112,10 +132,6 @@ def hf_config(
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-        "torch_dtype": str(DTYPES[dtype]).removeprefix("torch."),
-        "use_cache": True,
     }
     if architecture is QWEN3:
         values |= {
@@ -127,8 +143,8 @@ def hf_config(
 
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) -> None:
-    """tokenizer.json and tokenizer_config.json: a fast tokenizer that adds no tokens around the text and
-    decodes without touching spaces."""
+    """tokenizer.json and tokenizer_config.json: a fast tokenizer that adds no tokens around the text, decodes
+    without touching spaces and gives the model its ids and attention mask only."""
     eos = END_OF_TEXT if END_OF_TEXT in tokenizer.special_tokens else None
     _write_json(directory / "tokenizer.json", to_tokenizer_json(tokenizer))
     _write_json(
@@ -141,41 +157,54 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) 
             "add_bos_token": False,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
+            # What it returns for the model: no token_type_ids, which no exported model takes.
+            "model_input_names": ["input_ids", "attention_mask"],
         },
     )
 
 
 def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32") -> ExportResult:
     """Write `trained` (model and tokenizer) as a transformers checkpoint directory `out`, replacing an earlier
-    export there. With transformers installed the directory is loaded back and its logits compared with
+    export there: as Llama or Qwen3 where one computes the model exactly, with scratchlm's modeling code
+    otherwise. With transformers installed the directory is loaded back and its logits compared with
     scratchlm's before it replaces `out`."""
     out = Path(out)
     config = trained.model.config
-    architecture = check_export(trained, HFAdapter, dtype)
+    architecture, adapter = check_export(trained, (HFAdapter, RemoteCodeAdapter), dtype)
     check_output_dir(out, HF_EXPORT_KIND)  # before any work: only an earlier export may be replaced
     safetensors_torch = require("safetensors.torch")
     model = trained.model.cpu().float()
-    tensors = {k: v.to(DTYPES[dtype]) for k, v in HFAdapter(config).to_external(model.state_dict()).items()}
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in adapter(config).to_external(model.state_dict()).items()}
     with atomic_directory(out, HF_EXPORT_KIND) as tmp:
         safetensors_torch.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config(config, architecture, trained.tokenizer, dtype))
+        if architecture.custom_code:
+            copy_remote_code(tmp)
         eos = trained.tokenizer.eos_id
         _write_json(tmp / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos})
         write_tokenizer(trained.tokenizer, tmp, config.context_length)
-        difference = _verify(tmp, model, trained.tokenizer, dtype)
-    return ExportResult(out, architecture, difference, loaded_as=architecture.hf_class)
+        difference = _verify(tmp, architecture, model, trained.tokenizer, dtype)
+    code = " with its modeling code" if architecture.custom_code else ""
+    return ExportResult(out, architecture, difference, loaded_as=architecture.hf_class + code)
 
 
-def _verify(directory: Path, model: TransformerLM, tokenizer: Tokenizer, dtype: str) -> float | None:
+def _verify(
+    directory: Path, architecture: Architecture, model: TransformerLM, tokenizer: Tokenizer, dtype: str
+) -> float | None:
     """Load `directory` with transformers: its tokenizer must give scratchlm's ids on `CHECK_TEXT`, its model
     scratchlm's logits (`verify.check_logits`). None when transformers is not installed."""
     transformers = optional_transformers()
     if transformers is None:
         console.print("warning: transformers is not installed, so the export was not checked against it")
         return None
+    # AutoTokenizer reads config.json too, so it is also told that the model's own code may run.
+    trust = {"trust_remote_code": architecture.custom_code}
     with quiet(transformers):
-        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).float().eval()
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), **trust)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), **trust)
+    if architecture.custom_code:
+        remove_code_copy(hf_model, directory)
+    hf_model = hf_model.float().eval()
     text = CHECK_TEXT.format(END_OF_TEXT=END_OF_TEXT)
     if hf_tokenizer.encode(text) != tokenizer.encode(text):
         raise ScratchlmError(f"transformers' tokenizer of {directory} encodes other ids than scratchlm's")
@@ -185,17 +214,20 @@ def _verify(directory: Path, model: TransformerLM, tokenizer: Tokenizer, dtype: 
 # -- import ----------------------------------------------------------------------------------------------------
 
 
-def model_config_from_hf(values: Any, source: str) -> ModelConfig:
-    """The `ModelConfig` of a transformers config.json (parsed); a one-line error naming the field that
-    scratchlm's model does not compute."""
+def model_config_from_hf(values: Any, source: str) -> tuple[ModelConfig, type[StateDictAdapter]]:
+    """The `ModelConfig` of a transformers config.json (parsed), and the adapter that reads its tensors; a
+    one-line error naming the field that scratchlm's model does not compute."""
     if not isinstance(values, dict):
         raise ScratchlmError(f"{source} is not a JSON object")
+    if values.get("model_type") == SCRATCHLM.name:
+        return model_config_from_remote(values, source), RemoteCodeAdapter
     architectures = {a.name: a for a in HFAdapter.architectures}
     architecture = architectures.get(values.get("model_type"))
     if architecture is None:
+        names = ", ".join(repr(name) for name in [*architectures, SCRATCHLM.name])
         raise ScratchlmError(
             f"{source}: model_type {values.get('model_type')!r} is not supported; scratchlm imports the Llama "
-            f"architecture ({', '.join(repr(name) for name in architectures)})"
+            f"architecture and its own exports ({names})"
         )
     required = (
         "vocab_size",
@@ -234,7 +266,7 @@ def model_config_from_hf(values: Any, source: str) -> ModelConfig:
             f"{source}: head_dim = {head_dim} is not hidden_size / num_attention_heads, as scratchlm's is"
         )
     try:
-        return ModelConfig(
+        config = ModelConfig(
             vocab_size=values["vocab_size"],
             context_length=values["max_position_embeddings"],
             d_model=values["hidden_size"],
@@ -249,6 +281,7 @@ def model_config_from_hf(values: Any, source: str) -> ModelConfig:
         )
     except (ScratchlmError, TypeError, ValueError) as e:
         raise ScratchlmError(f"{source}: {e}") from None
+    return config, HFAdapter
 
 
 def read_safetensors(directory: Path) -> dict[str, Tensor]:
@@ -292,13 +325,13 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
     if not directory.is_dir():
         raise ScratchlmError(f"{directory} is not a directory (expected a Hugging Face checkpoint directory)")
     config_path = directory / "config.json"
-    config = model_config_from_hf(_read_json(config_path), str(config_path))
+    config, adapter = model_config_from_hf(_read_json(config_path), str(config_path))
     tokenizer = None
     tokenizer_path = directory / "tokenizer.json"
     if tokenizer_path.is_file():
         tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path))
         check_pair(config, tokenizer, None, str(tokenizer_path), f"the model of {config_path}")
-    state = HFAdapter(config).from_external(read_safetensors(directory), str(directory))
+    state = adapter(config).from_external(read_safetensors(directory), str(directory))
     model = TransformerLM(config)
     model.load_state_dict(state)
     return model.eval(), tokenizer

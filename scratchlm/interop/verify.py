@@ -1,8 +1,9 @@
 """The check every export passes before it is declared a success: an independent implementation, loading what
 was written, computes the same logits as scratchlm on a fixed input.
 
-The independent implementation is transformers (its Llama/Qwen3 code for the HF directory, and its GGUF
-reader, which undoes llama.cpp's layout itself, for a GGUF file). The reference is the scratchlm model with
+The independent implementation is transformers (its Llama/Qwen3 code for the HF directory, or the directory's
+own modeling code, a separate implementation of scratchlm's model in transformers' terms; and its GGUF reader,
+which undoes llama.cpp's layout itself, for a GGUF file). The reference is the scratchlm model with
 its weights rounded as the file stores them (float16 or bfloat16 weights are compared with a model that has
 those weights, computing in float32 on both sides), so the comparison tests the conversion, not the
 precision. A layout mistake (a missing permutation, a transposed matrix, a wrong epsilon or theta) moves the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 from scratchlm.errors import ScratchlmError
 from scratchlm.interop import Architecture, check_exportable
 from scratchlm.interop.adapter import StateDictAdapter
+from scratchlm.interop.formats import EXPORT_FORMATS
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.load import TrainedModel
 
@@ -31,15 +33,21 @@ TOLERANCE = 1e-4  # on the largest logit difference, relative to the largest log
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def check_export(trained: TrainedModel, adapter: type[StateDictAdapter], dtype: str) -> Architecture:
-    """What every export checks before any work: the architecture of the format of `adapter` that computes the
-    model exactly (`check_exportable`), a `dtype` of `DTYPES`, and a tokenizer to write beside the weights."""
-    architecture = check_exportable(trained.model.config, adapter.format, adapter.architectures)
+def check_export(
+    trained: TrainedModel, adapters: Sequence[type[StateDictAdapter]], dtype: str
+) -> tuple[Architecture, type[StateDictAdapter]]:
+    """What every export checks before any work: the architecture that computes the model exactly
+    (`check_exportable`) among those of `adapters` (the format's, the preferred first), and the adapter that
+    writes it; a `dtype` of `DTYPES`; a tokenizer to write beside the weights."""
+    format = adapters[0].format
+    architectures = [architecture for adapter in adapters for architecture in adapter.architectures]
+    reader = EXPORT_FORMATS[format].target
+    architecture = check_exportable(trained.model.config, format, reader, architectures)
     if dtype not in DTYPES:
         raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if trained.tokenizer is None:
         raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
-    return architecture
+    return architecture, next(a for a in adapters if architecture in a.architectures)
 
 
 def optional_transformers() -> ModuleType | None:

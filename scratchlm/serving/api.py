@@ -3,8 +3,11 @@
     GET  /                     the page (`static/`: HTML, CSS and JavaScript shipped in the package)
     GET  /info                 the model's name, size and context, for the page (no key needed)
     GET  /v1/models            the one model served
-    POST /v1/completions       OpenAI's (legacy) completions: prompt, max_tokens, temperature, top_p, stop,
-                               seed, n, stream, logprobs, echo; and vLLM's top_k
+    POST /v1/completions       OpenAI's (legacy) completions: prompt (text or token ids), max_tokens,
+                               temperature, top_p, stop, seed, n, stream, logprobs, echo; and vLLM's top_k
+    GET  /tokenizer_info       the tokenizer's special tokens and context, as vLLM serves them
+    POST /tokenize             text -> token ids, as vLLM
+    POST /detokenize           token ids -> text, as vLLM
     /v1/chat/completions       404: a base model has no chat template
 
 A request is checked in full before anything is queued; anything wrong is answered with OpenAI's error shape,
@@ -35,7 +38,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -57,12 +59,8 @@ from scratchlm.serving.engine import (
     Token,
     TokenLogprob,
 )
-from scratchlm.serving.requests import (
-    MAX_BODY_BYTES,
-    APIError,
-    CompletionRequest,
-    parse_completion_request,
-)
+from scratchlm.serving.requests import APIError, CompletionRequest, parse_completion_request, read_json
+from scratchlm.serving.tokenization import TOKENIZER_PATHS, tokenizer_routes
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -120,7 +118,8 @@ class Completions:
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, request: CompletionRequest) -> None:
         self.engine, self.tokenizer, self.request = engine, tokenizer, request
-        self.prompt_ids = [tokenizer.encode(prompt) for prompt in request.prompts]
+        self.prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in request.prompts]
+        self.prompt_texts = [tokenizer.decode(p) if isinstance(p, list) else p for p in request.prompts]
         context = engine.model.config.context_length
         for ids in self.prompt_ids:
             if len(ids) > context:
@@ -167,7 +166,7 @@ class Completions:
     async def _choice(self, index: int) -> AsyncIterator[dict]:
         """Pieces of choice `index`: `{"index", "text", "logprobs", "finish_reason"}`, the last with a reason."""
         request, sequence = self.request, self.sequences[index]
-        prompt_ids, prompt = self.prompt_ids[index // request.n], request.prompts[index // request.n]
+        prompt_ids, prompt = self.prompt_ids[index // request.n], self.prompt_texts[index // request.n]
         text = _Text(self.tokenizer, request.options.stop, len(prompt) if request.echo else 0)
 
         def piece(content: str, ids: list[int], lps: list, offset: int, reason: str | None = None) -> dict:
@@ -187,7 +186,12 @@ class Completions:
             elif isinstance(event, Token):
                 self.usage["completion_tokens"] += 1
                 if event.token_id == self.engine.eos_id:
-                    continue  # the end of the text, not part of it; `Finished` follows
+                    # The end of the text, not part of it (`Finished` follows); but a token the model chose,
+                    # so its log-probability is reported: a harness that asks for one token reads the last.
+                    if request.logprobs is not None:
+                        offset = text.offset + len(text.text)
+                        yield piece("", [event.token_id], [event.logprob], offset)
+                    continue
                 offset = text.offset + len(text.text)
                 content, stopped = text.add(event.token_id)
                 if stopped:
@@ -253,21 +257,6 @@ def _merge(pieces: list[dict]) -> dict:
 def _usage(completions: Completions) -> dict:
     total = completions.usage["prompt_tokens"] + completions.usage["completion_tokens"]
     return {**completions.usage, "total_tokens": total}
-
-
-async def _read_json(request: Request) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 async def _stream(completions: Completions, head: dict) -> AsyncIterator[str]:
@@ -348,7 +337,7 @@ def create_app(
 
     async def completions_endpoint(request: Request) -> Response:
         completion_request = parse_completion_request(
-            await _read_json(request), model_name, config.context_length
+            await read_json(request), model_name, config.context_length, tokenizer.vocab_size
         )
         completions = Completions(engine, tokenizer, completion_request)
         completions.submit()
@@ -387,6 +376,7 @@ def create_app(
             Route("/v1/models", models),
             Route("/v1/completions", completions_endpoint, methods=["POST"]),
             Route("/v1/chat/completions", _chat, methods=["GET", "POST"]),
+            *tokenizer_routes(tokenizer, model_name, config.context_length),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[] if api_key is None else [Middleware(_RequireKey, api_key=api_key)],
@@ -395,13 +385,15 @@ def create_app(
 
 
 class _RequireKey:
-    """ASGI middleware: every /v1/ request needs `Authorization: Bearer KEY` (the page and /info do not)."""
+    """ASGI middleware: every request to the API (/v1/ and the tokenizer's paths) needs `Authorization: Bearer
+    KEY`; the page and /info do not."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"].startswith("/v1/")
+        path = scope.get("path", "")
+        guarded = scope["type"] == "http" and (path.startswith("/v1/") or path in TOKENIZER_PATHS)
         if guarded and dict(scope["headers"]).get(b"authorization") != self.expected:
             error = APIError(
                 401,

@@ -1,6 +1,10 @@
-"""A completion request, checked in full before anything is queued: its JSON types and the server's limits
+"""The server's requests, each checked in full before anything is done: its JSON types and the server's limits
 here, the sampling fields' ranges in `SamplingOptions`. Anything wrong is an `APIError`, answered with OpenAI's
-error shape `{"error": {"message", "type", "param", "code"}}` and a 4xx status."""
+error shape `{"error": {"message", "type", "param", "code"}}` and a 4xx status.
+
+A completion's `prompt` takes OpenAI's four forms: a string, a list of strings, a list of token ids, or a list
+of such lists. Token ids matter to evaluation harnesses: text decoded from a window of ids that starts inside
+a multi-byte character re-encodes to other, often more, tokens, so only ids score exactly the tokens meant."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from scratchlm.generation.sampling import InvalidOption, SamplingOptions
@@ -40,9 +45,12 @@ class APIError(Exception):
         return JSONResponse({"error": body}, status_code=self.status)
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompts: list[str]
+    prompts: list[Prompt]
     options: SamplingOptions  # max_tokens, temperature, top_p, top_k, stop, seed
     n: int
     stream: bool
@@ -50,6 +58,22 @@ class CompletionRequest:
     logprobs: int | None
     echo: bool
     tokens_as_ids: bool
+
+
+async def read_json(request: Request) -> Any:
+    """The request's body as JSON, read up to `MAX_BODY_BYTES` (413 above)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 def _typed(body: dict, name: str, types: type | tuple[type, ...], default: Any, what: str) -> Any:
@@ -81,11 +105,37 @@ def _strings(body: dict, name: str, required: bool) -> list[str]:
     return values
 
 
-def parse_completion_request(body: Any, model_name: str, context_length: int) -> CompletionRequest:
-    """Check a /v1/completions body against the API and this server's limits (`APIError` on the first
-    problem)."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
+    """`value` as a non-empty list of token ids of a vocabulary of `vocab_size`."""
+    if not _is_ids(value) or not value:
+        raise APIError(400, f"'{name}' must be a non-empty list of token ids", name)
+    wrong = next((v for v in value if not 0 <= v < vocab_size), None)
+    if wrong is not None:
+        raise APIError(
+            400, f"'{name}' has the token id {wrong}; this vocabulary's ids are 0 to {vocab_size - 1}", name
+        )
+    return value
+
+
+def _prompts(body: dict, vocab_size: int) -> list[Prompt]:
+    value = body.get("prompt")
+    if isinstance(value, list) and value and (_is_ids(value) or all(isinstance(v, list) for v in value)):
+        return [token_ids(ids, "prompt", vocab_size) for ids in ([value] if _is_ids(value) else value)]
+    if isinstance(value, list) and any(isinstance(v, int | list) for v in value):
+        raise APIError(
+            400,
+            "'prompt' must be a string, a list of strings, or token ids (a list, or a list of lists)",
+            "prompt",
+        )
+    return _strings(body, "prompt", required=True)
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """A request's `model`, if it names one, is the one this server serves."""
     model = _typed(body, "model", str, model_name, "a string")
     if model != model_name:
         raise APIError(
@@ -94,7 +144,17 @@ def parse_completion_request(body: Any, model_name: str, context_length: int) ->
             "model",
             code="model_not_found",
         )
-    prompts = _strings(body, "prompt", required=True)
+
+
+def parse_completion_request(
+    body: Any, model_name: str, context_length: int, vocab_size: int
+) -> CompletionRequest:
+    """Check a /v1/completions body against the API and this server's limits (`APIError` on the first
+    problem)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_model(body, model_name)
+    prompts = _prompts(body, vocab_size)
     stop = _strings(body, "stop", required=False)
     if len(stop) > MAX_STOPS:
         raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
@@ -145,3 +205,30 @@ def parse_completion_request(body: Any, model_name: str, context_length: int) ->
         echo=_typed(body, "echo", bool, False, "a boolean"),
         tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False, "a boolean"),
     )
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    prompt: str
+    add_special_tokens: bool  # accepted for vLLM's shape; scratchlm's tokenizers add no begin-of-text token
+
+
+def parse_tokenize_request(body: Any, model_name: str) -> TokenizeRequest:
+    """A /tokenize body, `{"prompt", "add_special_tokens"}` as vLLM takes it."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_model(body, model_name)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(400, "'prompt' is required and must be a string", "prompt")
+    return TokenizeRequest(prompt, _typed(body, "add_special_tokens", bool, True, "a boolean"))
+
+
+def parse_detokenize_request(body: Any, model_name: str, vocab_size: int) -> list[int]:
+    """The token ids of a /detokenize body, `{"tokens"}` as vLLM takes it."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_model(body, model_name)
+    if body.get("tokens") == []:
+        return []
+    return token_ids(body.get("tokens"), "tokens", vocab_size)
