@@ -323,6 +323,7 @@ def test_the_profile_is_measured_once_per_machine_and_cached(tmp_path, monkeypat
     monkeypatch.delenv("SCRATCHLM_DEVICE_PROFILE", raising=False)  # the real measurement, whatever the run
     monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(profile_module, "_in_process", {})
+    monkeypatch.setattr(profile_module, "busy_cores", lambda: 0.0)  # a quiet machine
     calls = []
     real = profile_module.measure
     monkeypatch.setattr(profile_module, "measure", lambda device: calls.append(device) or real(device))
@@ -333,6 +334,21 @@ def test_the_profile_is_measured_once_per_machine_and_cached(tmp_path, monkeypat
     assert device_profile(torch.device("cpu")) == first and len(calls) == 1
     device_profile(torch.device("cpu"), refresh=True)
     assert len(calls) == 2
+
+
+def test_a_profile_measured_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SCRATCHLM_DEVICE_PROFILE", raising=False)
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profile_module, "_in_process", {})
+    monkeypatch.setattr(profile_module, "busy_cores", lambda: 1.5)
+    monkeypatch.setattr(profile_module, "measure", lambda device: BF16_CPU)
+    assert device_profile(torch.device("cpu")) == BF16_CPU
+    assert not list(tmp_path.glob("device-*.json"))
+    assert "not cached" in capsys.readouterr().err
+    monkeypatch.setattr(profile_module, "_in_process", {})
+    monkeypatch.setattr(profile_module, "busy_cores", lambda: 0.2)  # quiet enough: measured again, cached
+    device_profile(torch.device("cpu"))
+    assert len(list(tmp_path.glob("device-*.json"))) == 1
 
 
 def test_matmul_rates_are_what_a_timed_matmul_gives():

@@ -11,7 +11,8 @@ x86 CPU (no AVX-512) PyTorch emulates bf16 matmuls about 100x slower than fp32; 
 AMX they run 2-10x faster than fp32. A short matmul of each dtype (a fraction of a second) tells the two apart
 on any machine, including ones no table lists. The result is cached per machine, under
 `$XDG_CACHE_HOME/scratchlm/` (default `~/.cache/scratchlm/`; `SCRATCHLM_CACHE_DIR` overrides), keyed by the
-device's name, the flags and cores that matter, and the torch version, so later commands start at once.
+device's name, the flags and cores that matter, and the torch version, so later commands start at once. A
+measurement taken while other processes keep the cores busy is used but not cached.
 
 `SCRATCHLM_DEVICE_PROFILE=FILE` (a profile as `scratchlm doctor --json` prints it under "profile", or as the
 cache stores it) replaces the measurement for a device of the file's type: the test suite runs once as if the
@@ -55,6 +56,7 @@ RELEVANT_CPU_FLAGS = (
 # slowest case (emulated bf16 on a CPU, ~1 GFLOP/s) takes a fraction of a second.
 CPU_MATMUL_SIZE = 512
 GPU_MATMUL_SIZE = 4096
+BUSY_NOT_CACHED = 0.5  # cores kept busy by other processes above which a measurement is not cached
 MEASURE_SECONDS = 0.15  # each rate is timed over at least this long (or one multiplication, if slower)
 # The dtype of each precision (`scratchlm.precisions`): a profile measures the matmul rate of every one.
 DTYPES = {precision: getattr(torch, name) for precision, name in DTYPE_NAMES.items()}
@@ -375,12 +377,23 @@ def device_profile(device: torch.device, refresh: bool = False) -> DeviceProfile
         except (OSError, ValueError, TypeError):
             profile = None
     if profile is None:
+        # Other work on the cores slows each dtype by its own factor (bf16 kernels more than fp32 ones, seen
+        # 6x against 2x): such a measurement serves this process, but is measured again next time rather than
+        # steering every later choice from the cache.
+        busy = busy_cores() if device.type == "cpu" else 0.0
         profile = measure(device)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_write(path, "w") as f:
-                json.dump(profile.to_dict(), f, indent=1)
-        except (OSError, ScratchlmError) as e:  # a read-only home must not stop training; measure next time
-            print(f"note: could not cache the device profile in {path}: {e}", file=sys.stderr)
+        if busy >= BUSY_NOT_CACHED:
+            print(
+                f"note: other processes kept {busy:.1f} cores busy while the device was measured; "
+                "the measurement is not cached",
+                file=sys.stderr,
+            )
+        else:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_write(path, "w") as f:
+                    json.dump(profile.to_dict(), f, indent=1)
+            except (OSError, ScratchlmError) as e:  # a read-only home must not stop training
+                print(f"note: could not cache the device profile in {path}: {e}", file=sys.stderr)
     _in_process[key] = profile
     return profile
