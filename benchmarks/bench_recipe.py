@@ -1,4 +1,5 @@
-"""The fast recipe against that of the CS336 assignment-1 handout (the specification), on the quickstart's corpus, tokenizer, data order and budget.
+"""The fast recipe against that of the CS336 assignment-1 handout (the specification), on the quickstart's corpus
+(or another, `--corpus`: benchmarks/corpora.py), tokenizer, data order and budget.
 
 Every run is the quickstart's training (`scratchlm.quickstart.train_within_budget`: calibrate the speed, then
 fit the schedule to the steps that fit in the wall-clock budget, compilation included), followed by the loss on
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from corpora import CORPORA, write_corpus
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.device import plan
@@ -65,7 +67,15 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def run_job(
-    name: str, recipe: dict, budget: float, unit: str, out: str, small: bool, threads: int, compile: bool
+    name: str,
+    recipe: dict,
+    budget: float,
+    unit: str,
+    out: str,
+    small: bool,
+    threads: int,
+    compile: bool,
+    text: list[str] | None,
 ) -> dict[str, Any]:
     """Train recipe `recipe` (registered as `name`) for `budget` seconds (unit "s") or steps (unit "steps"),
     in this process or a child, and evaluate it on the whole validation file; returns the run's figures."""
@@ -76,7 +86,7 @@ def run_job(
     if unit == "steps":  # a schedule of `budget` steps and no time limit
         size, seconds = dataclasses.replace(size, max_steps=int(budget)), 0.0
     RECIPES[name] = recipe
-    data = build_data(Path(out), size)
+    data = build_data(Path(out), size, text)
     kind = "warmup" if name.startswith("warmup") else ""
     run_root = Path(out) / "bench-recipe" / kind / f"{name}@{budget:g}{unit}"
     started = time.perf_counter()
@@ -105,7 +115,8 @@ def run_all(jobs: list[tuple[str, dict, float, str]], args: argparse.Namespace) 
     with context.Pool(args.parallel, maxtasksperchild=1) as pool:
         pending = [
             pool.apply_async(
-                run_job, (name, recipe, budget, unit, args.out, args.small, threads, not args.no_compile)
+                run_job,
+                (name, recipe, budget, unit, args.out, args.small, threads, not args.no_compile, args.text),
             )
             for name, recipe, budget, unit in jobs
         ]
@@ -196,7 +207,15 @@ def time_to_loss(target: float, by_fraction: dict[float, float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--out", default="runs/quickstart", help="quickstart output directory (data is reused)"
+        "--out",
+        default=None,
+        help="output directory, data reused (default: runs/quickstart, or runs/recipe-CORPUS)",
+    )
+    parser.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default="stdlib",
+        help="the text to race on (benchmarks/corpora.py; default stdlib, the quickstart's own corpus)",
     )
     parser.add_argument(
         "--seconds", type=float, default=240.0, help="the full training budget of each recipe"
@@ -241,8 +260,21 @@ def main() -> None:
         default=40.0,
         help="seconds of an untimed training per distinct model (0: none)",
     )
-    parser.add_argument("--results", default="experiments/results/recipe", help="where results and curves go")
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="where results and curves go (default experiments/results/recipe[/CORPUS])",
+    )
     args = parser.parse_args()
+    stdlib = args.corpus == "stdlib"
+    args.out = args.out or ("runs/quickstart" if stdlib else f"runs/recipe-{args.corpus}")
+    args.results = args.results or "experiments/results/recipe" + ("" if stdlib else f"/{args.corpus}")
+    args.text = None  # the quickstart's own corpus, built by build_data
+    if not stdlib:
+        source = Path(args.out) / "source" / f"{args.corpus}.txt"
+        if not source.exists():
+            write_corpus(args.corpus, source)
+        args.text = [str(source)]
     if args.step_cost:
         cost = step_cost(args)
         print(f"seconds per step ({torch.get_num_threads()} threads), and relative to the fast recipe's:")
@@ -251,7 +283,9 @@ def main() -> None:
         return
     if args.fresh:
         shutil.rmtree(Path(args.out) / "bench-recipe", ignore_errors=True)
-    build_data(Path(args.out), SMALL if args.small else FULL)  # once, before the processes that reuse it
+    build_data(
+        Path(args.out), SMALL if args.small else FULL, args.text
+    )  # once, before the processes reuse it
 
     spec = {"optimizer": {"lr": args.spec_lr, "min_lr": args.spec_lr / 10}}
     fast = RECIPES["fast"]
@@ -303,18 +337,31 @@ def main() -> None:
     print(f"{len(jobs)} trainings of at most {T:g} {unit}, {args.parallel} at a time", flush=True)
     results = run_all(jobs, args)
     by_key = {(r["name"], r["budget"]): r for r in results}
-    target = by_key[("spec", T)]["val_loss"]
+    # The specification's recipe at its best learning rate of the sweep: the loss to beat.
+    spec_runs = [r for r in results if r["name"].startswith("spec") and r["budget"] == T]
+    best_spec = min(spec_runs, key=lambda r: r["val_loss"])
+    best_lr = (
+        args.spec_lr if best_spec["name"] == "spec" else float(best_spec["name"].removeprefix("spec-lr"))
+    )
+    target = best_spec["val_loss"]
 
-    print(f"\nquickstart corpus and tokenizer, seed 0, {args.parallel} training(s) at a time")
+    print(f"\ncorpus {args.corpus}, seed 0, {args.parallel} training(s) at a time")
     print(
         "| recipe | budget | steps | training time | tokens/s | validation loss (whole file) | time-to-loss |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     names = list(dict.fromkeys(r["name"] for r in results))
-    summary: dict[str, Any] = {"budget_s": T, "spec_loss": target, "runs": results, "time_to_loss": {}}
+    summary: dict[str, Any] = {
+        "corpus": args.corpus,
+        "budget_s": T,
+        "spec_loss": target,
+        "spec_best_lr": best_lr,
+        "runs": results,
+        "time_to_loss": {},
+    }
     for name in names:
         mine = {r["budget"] / T: r["val_loss"] for r in results if r["name"] == name}
-        ratio = time_to_loss(target, mine) if name != "spec" else ""
+        ratio = time_to_loss(target, mine) if not name.startswith("spec") else ""
         summary["time_to_loss"][name] = ratio
         for r in (r for r in results if r["name"] == name):
             print(
@@ -322,8 +369,15 @@ def main() -> None:
                 f"{r['tokens_per_s']:,.0f} | {r['val_loss']:.4f} | "
                 f"{ratio if r['budget'] == max(mine) * T else ''} |"
             )
+    print(f"the specification's best learning rate of the sweep: {best_lr:g} (loss {target:.4f})")
     if ("fast", T) in by_key:
-        print(f"fast - spec at {T:g} {unit}: {by_key[('fast', T)]['val_loss'] - target:+.4f} nats")
+        summary["fast_minus_spec"] = by_key[("fast", T)]["val_loss"] - target
+        print(f"fast - spec at {T:g} {unit}: {summary['fast_minus_spec']:+.4f} nats")
+    for f in fractions:
+        if ("fast", at(f)) in by_key:
+            print(
+                f"fast at {at(f):g} {unit} - spec at {T:g} {unit}: {by_key[('fast', at(f))]['val_loss'] - target:+.4f} nats"
+            )
 
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
