@@ -7,10 +7,11 @@ download), for measuring the training recipes on more than the text they were tu
     docstrings   English technical prose: every docstring of the standard library (one document per module:
                  its docstrings, one paragraph each) and the language reference topics of `pydoc_data`
     man          English reference prose: the manual pages of sections 1, 5, 7 and 8 under /usr/share/man,
-                 rendered to plain text by groff (one page a document, in sorted order, up to `--max-mb`)
+                 rendered to plain text by groff, without running header, footer and indentation (one page a
+                 document, in sorted order, up to `--max-mb`)
     german       German: every translated message of the gettext catalogs under /usr/share/locale/de (one
-                 catalog a document, one message a line; the programs' own translations, mostly short
-                 sentences of interface text)
+                 message a line, 100 messages of a catalog a document; the programs' own translations, mostly
+                 short sentences of interface text)
 
     python benchmarks/corpora.py man /tmp/corpora/man.txt
 """
@@ -21,6 +22,7 @@ import argparse
 import ast
 import gettext
 import gzip
+import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,8 +66,16 @@ def man_documents(root: Path = Path("/usr/share/man")) -> Iterator[str]:
             timeout=30,
         )
         text = rendered.stdout.decode("utf-8", errors="replace")
+        # Without the running header and footer, and without the page's indentation (7 columns for the
+        # body, 0 for the section headings), so that the text reads as text.
+        lines = [line.rstrip() for line in text.splitlines()[1:-1]]
+        lines = [line[7:] if line.startswith(" " * 7) else line for line in lines]
+        text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
         if rendered.returncode == 0 and len(text.split()) >= 50:
-            yield "\n".join(line.rstrip() for line in text.splitlines()).strip() + "\n"
+            yield text + "\n"
+
+
+MESSAGES_PER_DOCUMENT = 100
 
 
 def german_documents(root: Path = Path("/usr/share/locale/de/LC_MESSAGES")) -> Iterator[str]:
@@ -83,8 +93,9 @@ def german_documents(root: Path = Path("/usr/share/locale/de/LC_MESSAGES")) -> I
             for key, text in sorted(messages.items(), key=lambda kv: str(kv[0]))
             if key and isinstance(text, str) and text.strip()
         ]
-        if lines:
-            yield "\n".join(lines) + "\n"
+        # Documents of MESSAGES_PER_DOCUMENT messages, so that the held-out part is more than a few catalogs.
+        for start in range(0, len(lines), MESSAGES_PER_DOCUMENT):
+            yield "\n".join(lines[start : start + MESSAGES_PER_DOCUMENT]) + "\n"
 
 
 CORPORA: dict[str, Callable[[], Iterator[str]]] = {
