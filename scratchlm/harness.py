@@ -33,6 +33,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.serving.engine import Engine, Failed, Finished, SequenceRequest, Token
+from scratchlm.serving.text import CompletionText
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 
@@ -136,21 +137,20 @@ class ScratchlmLM(TemplateLM):
 
     async def _completion(self, engine: Engine, sequence, stops: list[str]) -> str:
         """The text of `sequence` up to its first stop string (the sequence is cancelled there)."""
-        detokenizer, text = self.tokenizer.detokenizer(), ""
+        text, pieces = CompletionText(self.tokenizer, tuple(stops), 0), []
         while True:
             event = await sequence.events.get()
-            if isinstance(event, Token) and event.token_id != self.eot_token_id:
-                text += detokenizer.add(event.token_id)
-            elif isinstance(event, Finished):
-                text += detokenizer.flush()
-            elif isinstance(event, Failed):
+            if isinstance(event, Failed):
                 raise RuntimeError(event.message)
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                engine.cancel(sequence)
-                return text[:cut]
-            if isinstance(event, Finished):
-                return text
+            if isinstance(event, Token) and event.token_id == self.eot_token_id:
+                continue  # the end of the text, not part of it; `Finished` follows
+            if isinstance(event, Token | Finished):
+                piece, stopped = text.add(event.token_id if isinstance(event, Token) else None)
+                pieces.append(piece)
+                if stopped:
+                    engine.cancel(sequence)
+                if stopped or isinstance(event, Finished):
+                    return "".join(pieces)
 
 
 def evaluate_tasks(

@@ -6,11 +6,14 @@ import http.client
 import json
 import threading
 import time
+from pathlib import Path
 
 import openai
 import torch
+from interop_helpers import make_run, scratch_model, small_tokenizer
 
 from scratchlm.generation.generate import generate_stream
+from scratchlm.model.config import ModelConfig
 from scratchlm.serving.engine import Engine
 from scratchlm.serving.server import build_server
 from scratchlm.tokenizer import END_OF_TEXT
@@ -90,3 +93,17 @@ def log_softmax_oracle(server, ids: list[int]) -> tuple[list[float], list[int]]:
     with torch.no_grad():
         logprobs = torch.log_softmax(server.model(torch.tensor([ids]))[0].double(), dim=-1)
     return [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))], logprobs.argmax(-1).tolist()
+
+
+def tiny_run(directory: Path, context: int, seed: int, **model) -> Path:
+    """A run directory holding a tiny random model (2 layers, d_model 32, 4 heads) and the small tokenizer."""
+    tokenizer = small_tokenizer()
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        context_length=context,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        **model,
+    )
+    return make_run(directory, scratch_model(config, seed=seed), tokenizer)

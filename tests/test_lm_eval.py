@@ -23,11 +23,10 @@ import torch
 pytest.importorskip("lm_eval", reason="lm_eval not installed (pip install 'scratchlm[eval]')")
 pytest.importorskip("starlette", reason="starlette not installed (pip install 'scratchlm[serve]')")
 pytest.importorskip("openai", reason="openai not installed (the test oracle)")
-from interop_helpers import make_run, run_cli, scratch_model, small_tokenizer  # noqa: E402
-from serve_helpers import Running  # noqa: E402
+from interop_helpers import run_cli  # noqa: E402
+from serve_helpers import Running, tiny_run  # noqa: E402
 
 from scratchlm.generation.generate import generate_stream  # noqa: E402
-from scratchlm.model.config import ModelConfig  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
 from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
 
@@ -53,13 +52,7 @@ MAX_GEN = 8
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    tokenizer = small_tokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size, context_length=CONTEXT, d_model=32, num_layers=2, num_heads=4
-    )
-    return make_run(
-        tmp_path_factory.mktemp("lm-eval") / "tiny-run", scratch_model(config, seed=11), tokenizer
-    )
+    return tiny_run(tmp_path_factory.mktemp("lm-eval") / "tiny-run", CONTEXT, seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ pytest.importorskip("starlette", reason="starlette not installed (pip install 's
 pytest.importorskip("uvicorn", reason="uvicorn not installed (pip install 'scratchlm[serve]')")
 openai = pytest.importorskip("openai", reason="openai not installed (the test oracle)")
 from interop_helpers import make_run, scratch_model, small_tokenizer  # noqa: E402
-from serve_helpers import TIMEOUT, Reply, Running, connect, log_softmax_oracle, request  # noqa: E402
+from serve_helpers import TIMEOUT, Reply, Running, connect, log_softmax_oracle, request, tiny_run  # noqa: E402
 
 from scratchlm.generation.sampling import SamplingOptions  # noqa: E402
 from scratchlm.model.config import ModelConfig  # noqa: E402
@@ -70,16 +70,7 @@ def ids_body(**options) -> dict:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    tokenizer = small_tokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        context_length=CONTEXT,
-        d_model=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-    )
-    return make_run(tmp_path_factory.mktemp("serve") / "tiny-run", scratch_model(config, seed=3), tokenizer)
+    return tiny_run(tmp_path_factory.mktemp("serve") / "tiny-run", CONTEXT, seed=3, num_kv_heads=2)
 
 
 @pytest.fixture(scope="module")

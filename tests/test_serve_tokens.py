@@ -12,10 +12,9 @@ import pytest
 pytest.importorskip("starlette", reason="starlette not installed (pip install 'scratchlm[serve]')")
 pytest.importorskip("uvicorn", reason="uvicorn not installed (pip install 'scratchlm[serve]')")
 pytest.importorskip("openai", reason="openai not installed (the test oracle)")
-from interop_helpers import make_run, scratch_model, small_tokenizer  # noqa: E402
-from serve_helpers import Running, log_softmax_oracle, request  # noqa: E402
+from interop_helpers import small_tokenizer  # noqa: E402
+from serve_helpers import Running, log_softmax_oracle, request, tiny_run  # noqa: E402
 
-from scratchlm.model.config import ModelConfig  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
 from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
 
@@ -25,11 +24,7 @@ TEXTS = ["Once upon a time", "naïve café — 東京 🙂", "two\n\nlines", f"a
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    tokenizer = small_tokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size, context_length=CONTEXT, d_model=32, num_layers=2, num_heads=4
-    )
-    return make_run(tmp_path_factory.mktemp("tokens") / "tiny-run", scratch_model(config, seed=5), tokenizer)
+    return tiny_run(tmp_path_factory.mktemp("tokens") / "tiny-run", CONTEXT, seed=5)
 
 
 @pytest.fixture(scope="module")

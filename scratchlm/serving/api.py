@@ -60,31 +60,11 @@ from scratchlm.serving.engine import (
     TokenLogprob,
 )
 from scratchlm.serving.requests import APIError, CompletionRequest, parse_completion_request, read_json
+from scratchlm.serving.text import CompletionText
 from scratchlm.serving.tokenization import TOKENIZER_PATHS, tokenizer_routes
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 STATIC_DIR = Path(__file__).parent / "static"
-
-
-class _Text:
-    """A completion's text as its tokens arrive: whole characters, held back while a stop string may be
-    starting. `offset` is where the completion starts in the choice's text (after an echoed prompt)."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], offset: int) -> None:
-        self.detokenizer, self.stop = tokenizer.detokenizer(), stop
-        self.text, self.sent, self.offset = "", 0, offset
-        self.hold = max(map(len, stop), default=1) - 1
-
-    def add(self, token_id: int | None) -> tuple[str, bool]:
-        """The text that can be sent after `token_id` (None: the end), and whether a stop string ended it."""
-        final = token_id is None
-        self.text += self.detokenizer.flush() if final else self.detokenizer.add(token_id)
-        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
-        if found:
-            self.text = self.text[: min(found)]
-        end = len(self.text) if found or final else max(self.sent, len(self.text) - self.hold)
-        piece, self.sent = self.text[self.sent : end], end
-        return piece, bool(found)
 
 
 def _logprobs_part(
@@ -167,7 +147,7 @@ class Completions:
         """Pieces of choice `index`: `{"index", "text", "logprobs", "finish_reason"}`, the last with a reason."""
         request, sequence = self.request, self.sequences[index]
         prompt_ids, prompt = self.prompt_ids[index // request.n], self.prompt_texts[index // request.n]
-        text = _Text(self.tokenizer, request.options.stop, len(prompt) if request.echo else 0)
+        text = CompletionText(self.tokenizer, request.options.stop, len(prompt) if request.echo else 0)
 
         def piece(content: str, ids: list[int], lps: list, offset: int, reason: str | None = None) -> dict:
             logprobs = (

@@ -41,7 +41,6 @@ only, so the positions that padding shifts change none of them.
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -59,6 +58,54 @@ CACHE_FIELD = next(
 
 def at_least_float32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+# The layers are written from tensor operations, as scratchlm's own are: no torch.nn layer or functional op.
+
+
+class ScratchlmLinear(nn.Module):
+    """y = x Wᵀ, without bias; W is (out, in), as in scratchlm and transformers."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+class ScratchlmEmbedding(nn.Module):
+    """Row `i` of the table for token id `i`."""
+
+    def __init__(self, num_embeddings, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+def silu(x):
+    return x * torch.sigmoid(x)
+
+
+def attend(q, k, v, mask):
+    """softmax(q kᵀ / sqrt(d_h)) v over the keys `mask` lets each query see, the softmax in float32 at least
+    (its maximum subtracted first, so that no exp overflows)."""
+    scores = at_least_float32(q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(v.dtype) @ v
+
+
+def cross_entropy(logits, targets, ignore_index=-100):
+    """The mean of -log softmax(logits)[target] over the targets that are not `ignore_index`."""
+    logits = at_least_float32(logits)
+    kept = targets != ignore_index
+    logits, targets = logits[kept], targets[kept]
+    picked = logits.gather(-1, targets[:, None])[:, 0]
+    return (torch.logsumexp(logits, dim=-1) - picked).mean()
 
 
 class ScratchlmRMSNorm(nn.Module):
@@ -117,10 +164,10 @@ class ScratchlmAttention(nn.Module):
             config.head_dim,
         )
         d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, kv, bias=False)
-        self.v_proj = nn.Linear(d, kv, bias=False)
-        self.output_proj = nn.Linear(d, d, bias=False)
+        self.q_proj = ScratchlmLinear(d, d)
+        self.k_proj = ScratchlmLinear(d, kv)
+        self.v_proj = ScratchlmLinear(d, kv)
+        self.output_proj = ScratchlmLinear(d, d)
         if config.qk_norm:
             self.q_norm = ScratchlmRMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = ScratchlmRMSNorm(config.head_dim, config.rms_norm_eps)
@@ -143,7 +190,7 @@ class ScratchlmAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        heads = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        heads = attend(q, k, v, mask)
         return self.output_proj(heads.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -151,20 +198,18 @@ class ScratchlmMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.kind = config.ffn
-        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w1 = ScratchlmLinear(config.hidden_size, config.intermediate_size)
+        self.w2 = ScratchlmLinear(config.intermediate_size, config.hidden_size)
         self.w3 = (
-            nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-            if self.kind == "swiglu"
-            else None
+            ScratchlmLinear(config.hidden_size, config.intermediate_size) if self.kind == "swiglu" else None
         )
 
     def forward(self, x):
         hidden = self.w1(x)
         if self.kind == "swiglu":
-            hidden = F.silu(hidden) * self.w3(x)
+            hidden = silu(hidden) * self.w3(x)
         elif self.kind == "silu":
-            hidden = F.silu(hidden)
+            hidden = silu(hidden)
         else:
             hidden = hidden.clamp_min(0).square()
         return self.w2(hidden)
@@ -215,6 +260,11 @@ class ScratchlmPreTrainedModel(PreTrainedModel):
     base_model_prefix = ""
     _no_split_modules = ["ScratchlmBlock"]
 
+    def _init_weights(self, module):
+        # A model built from a config alone (from_pretrained overwrites these): small normal weights.
+        if isinstance(module, ScratchlmLinear | ScratchlmEmbedding):
+            module.weight.data.normal_(0.0, 0.02)
+
 
 class ScratchlmForCausalLM(ScratchlmPreTrainedModel, GenerationMixin):
     """The language model of the module docstring, under scratchlm's parameter names; with
@@ -225,16 +275,18 @@ class ScratchlmForCausalLM(ScratchlmPreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
         d, layers = config.hidden_size, config.num_hidden_layers
-        self.token_embeddings = nn.Embedding(config.vocab_size, d)
+        self.token_embeddings = ScratchlmEmbedding(config.vocab_size, d)
         self.layers = nn.ModuleList(ScratchlmBlock(config, i) for i in range(layers))
         kv = config.num_key_value_heads * config.head_dim
         tables = config.value_embeddings
         self.value_embeddings = (
-            nn.ModuleList(nn.Embedding(config.vocab_size, kv) for _ in range(tables)) if tables else None
+            nn.ModuleList(ScratchlmEmbedding(config.vocab_size, kv) for _ in range(tables))
+            if tables
+            else None
         )
         self.skip_weights = nn.Parameter(torch.ones(layers // 2)) if config.unet_skips else None
         self.ln_final = ScratchlmRMSNorm(d, config.rms_norm_eps) if config.norm == "pre" else None
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.lm_head = ScratchlmLinear(d, config.vocab_size)
         self.rotary = ScratchlmRotaryTable(config) if config.positions == "rope" else None
         self.post_init()
 
@@ -318,9 +370,5 @@ class ScratchlmForCausalLM(ScratchlmPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                at_least_float32(logits[:, :-1]).flatten(0, 1),
-                labels[:, 1:].flatten().to(logits.device),
-                ignore_index=-100,
-            )
+            loss = cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device))
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache if use_cache else None})
