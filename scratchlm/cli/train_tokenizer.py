@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a special token, e.g. '<|endoftext|>' (repeatable); never merged, and it splits the text",
     )
     parser.add_argument(
+        "--no-chat-tokens",
+        action="store_true",
+        help="do not reserve the chat template's special tokens (<|system|>, <|user|>, <|assistant|>, <|end|>)",
+    )
+    parser.add_argument(
         "--out",
         required=True,
         metavar="DIR",
@@ -49,7 +54,11 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.tokenizer.serialization import save_tokenizer
     from scratchlm.tokenizer.train import train_bpe
 
-    special_tokens = list(dict.fromkeys(args.special_tokens))
+    from scratchlm.tokenizer import CHAT_TOKENS
+
+    # The chat tokens are reserved, so that a model pretrained with this tokenizer can learn to chat.
+    reserved = () if args.no_chat_tokens else CHAT_TOKENS
+    special_tokens = list(dict.fromkeys([*args.special_tokens, *reserved]))
     for token in special_tokens:
         # vocab.json maps token text to one id: a one-byte special token would share its text with that byte.
         if len(token.encode("utf-8")) == 1:

@@ -22,7 +22,7 @@ from scratchlm.console import console, format_seconds
 from scratchlm.data.download import DATASETS
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
-from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer import DEFAULT_SPECIAL_TOKENS
 from scratchlm.tokenizer.encode_file import encode_file
 from scratchlm.tokenizer.serialization import load_tokenizer_files, save_tokenizer
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -50,7 +50,7 @@ def prepare_data(
     valid_text: str | Path,
     out_dir: str | Path,
     vocab_size: int,
-    special_tokens: tuple[str, ...] = (END_OF_TEXT,),
+    special_tokens: tuple[str, ...] = DEFAULT_SPECIAL_TOKENS,
 ) -> PreparedData:
     """Train a byte-level BPE tokenizer on `train_text`, then encode both files; skips finished steps."""
     train_text, valid_text, out_dir = Path(train_text), Path(valid_text), Path(out_dir)

@@ -13,7 +13,7 @@ runs the model on the last `context_length` tokens at every step: the tokens are
 recomputation (`use_cache=False`) at any length, and the cache's speed-up applies to the first `context_length`
 positions.
 
-A batch of prompts (a 2-D tensor; rows of equal length) is generated together. A row that produces `eos_id`
+A batch of prompts (a 2-D tensor; rows of equal length) is generated together. A row that produces `eos_id` (or one of `stop_ids`)
 stops growing: its later positions are still computed with the batch but never sampled into the output, and the
 loop ends as soon as every row has finished or the token budget is spent.
 
@@ -24,7 +24,7 @@ the type the server and the command line hold them in; either way they are check
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -91,7 +91,7 @@ def _generation_steps(
     model: TransformerLM,
     prompts: Int[Tensor, "batch seq"],
     options: SamplingOptions,
-    eos_id: int | None,
+    stops: frozenset[int],
     generator: torch.Generator | None,
     use_cache: bool,
 ) -> Iterator[tuple[Int[Tensor, " batch"], Tensor]]:
@@ -111,8 +111,8 @@ def _generation_steps(
             logits = model(tokens[:, -context_length:])
         next_tokens = options.sample(logits[:, -1], generator)
         yield next_tokens, active.clone()
-        if eos_id is not None:
-            active &= next_tokens != eos_id
+        if stops:
+            active &= ~torch.isin(next_tokens, torch.tensor(sorted(stops), device=next_tokens.device))
             if not active.any():
                 return
         tokens = torch.cat([tokens, next_tokens.unsqueeze(1)], dim=1)
@@ -129,13 +129,15 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     options: SamplingOptions | None = None,
+    stop_ids: Collection[int] = (),
 ) -> list[int] | list[list[int]]:
     """Generate up to `max_new_tokens` new token ids after `prompt_ids`; return only the new ids.
 
     `prompt_ids` is one prompt (a list of ids or a 1-D tensor; returns `list[int]`) or a batch of prompts of
     equal length (a 2-D tensor; returns one `list[int]` per row, of different lengths when rows stop at
     `eos_id`). A row that produces `eos_id` ends with it. `temperature=0` is greedy decoding; `top_p` and
-    `top_k` filter the distribution (see `scratchlm.generation.sampling`); `generator` makes sampling
+    `top_k` filter the distribution (see `scratchlm.generation.sampling`); `stop_ids` are more ids that end a
+    row as `eos_id` does (a chat model's end of turn, `scratchlm.chat`); `generator` makes sampling
     reproducible. `use_cache=False` recomputes the model over the last `context_length` tokens at every step
     (same tokens, much slower; kept as the reference the cached path is tested and benchmarked against).
 
@@ -146,7 +148,8 @@ def generate(
     options = _sampling_options(max_new_tokens, temperature, top_p, top_k, options)
     prompts = _prepare(model, prompt_ids)
     outputs: list[list[int]] = [[] for _ in range(prompts.shape[0])]
-    for next_tokens, active in _generation_steps(model, prompts, options, eos_id, generator, use_cache):
+    stops = stopping_ids(eos_id, stop_ids)
+    for next_tokens, active in _generation_steps(model, prompts, options, stops, generator, use_cache):
         for row, (token, is_active) in enumerate(zip(next_tokens.tolist(), active.tolist(), strict=True)):
             if is_active:
                 outputs[row].append(token)
@@ -161,7 +164,7 @@ def generate_stream(
     **keywords: Any,
 ) -> Iterator[int]:
     """Like `generate` for one prompt, with the same keywords (temperature, top_p, top_k, eos_id, generator,
-    use_cache, options), but yield each new token id as soon as it is sampled."""
+    use_cache, options, stop_ids), but yield each new token id as soon as it is sampled."""
     for name in keywords:
         if name not in _DEFAULTS:
             raise ScratchlmError(
@@ -174,11 +177,15 @@ def generate_stream(
     prompts = _prepare(model, prompt_ids)
     if prompts.shape[0] != 1:
         raise ScratchlmError(f"generate_stream takes one prompt, got a batch of {prompts.shape[0]}")
-    steps = _generation_steps(
-        model, prompts, options, settings["eos_id"], settings["generator"], settings["use_cache"]
-    )
+    stops = stopping_ids(settings["eos_id"], settings["stop_ids"])
+    steps = _generation_steps(model, prompts, options, stops, settings["generator"], settings["use_cache"])
     for next_tokens, _ in steps:
         yield int(next_tokens[0])
+
+
+def stopping_ids(eos_id: int | None, stop_ids: Collection[int] = ()) -> frozenset[int]:
+    """The ids that end a sequence: `eos_id` (None: none) and `stop_ids`."""
+    return frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
 
 
 # The keyword arguments of `generate` with their defaults: `generate_stream` takes the same ones.

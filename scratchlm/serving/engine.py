@@ -31,12 +31,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from scratchlm.generation.generate import stopping_ids
 from scratchlm.generation.sampling import SamplingOptions, draw
 from scratchlm.model.transformer import TransformerLM
 
@@ -134,9 +136,12 @@ class Engine:
         eos_id: int | None,
         max_batch: int = 16,
         max_queue: int = 64,
+        stop_ids: Collection[int] = (),
     ):
-        """`model` computes in the dtype its weights are held in (`Plan.for_inference`), and so do its caches."""
+        """`model` computes in the dtype its weights are held in (`Plan.for_inference`), and so do its caches.
+        A sequence ends at `eos_id` or any of `stop_ids` (a chat model's end of turn)."""
         self.model, self.eos_id = model, eos_id
+        self.stop_ids = stopping_ids(eos_id, stop_ids)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
         self.cache = model.new_padded_kv_cache(max_batch)
@@ -270,9 +275,9 @@ class Engine:
             sequence.generated += 1
             sequence.last_token = token_id
             sequence.emit(Token(token_id, logprob))
-            if token_id == self.eos_id or sequence.generated >= request.options.max_new_tokens:
+            if token_id in self.stop_ids or sequence.generated >= request.options.max_new_tokens:
                 sequence.done = True
-                sequence.emit(Finished("stop" if token_id == self.eos_id else "length"))
+                sequence.emit(Finished("stop" if token_id in self.stop_ids else "length"))
 
     def _leave(self) -> None:
         """Take the finished and cancelled sequences out of the batch, moving the last rows into their places."""

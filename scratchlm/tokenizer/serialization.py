@@ -11,7 +11,9 @@ its bytes, becomes a string without spaces or newlines. That makes the files los
   an optional first line `#version: ...` is ignored.
 
 A tokenizer directory holds these two files and `special_tokens.json`, the list of special tokens (each is
-also in `vocab.json`), plus the output marker that lets a later save replace it (`scratchlm.io`).
+also in `vocab.json`), plus the output marker that lets a later save replace it (`scratchlm.io`). A chat
+model's tokenizer also holds `chat_template.jinja`, its chat template (`scratchlm.chat`), in the file and the
+language transformers uses.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from scratchlm.io import atomic_directory, atomic_write, check_output_dir
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_KIND = "tokenizer"  # the output marker of a tokenizer directory (scratchlm.io)
 
 
@@ -73,9 +76,11 @@ def save_tokenizer(
     vocab: dict[int, bytes],
     merges: list[tuple[bytes, bytes]],
     special_tokens: list[str] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write `vocab.json`, `merges.txt` and `special_tokens.json` into `directory`, atomically as a whole; an
-    existing `directory` is replaced only when it is an earlier tokenizer (or empty)."""
+    """Write `vocab.json`, `merges.txt`, `special_tokens.json` and the `chat_template` (when there is one) into
+    `directory`, atomically as a whole; an existing `directory` is replaced only when it is an earlier
+    tokenizer (or empty)."""
     directory = Path(directory)
     ids_of: dict[bytes, int] = {}
     for token_id, token in sorted(vocab.items()):
@@ -93,6 +98,9 @@ def save_tokenizer(
             f.writelines(f"{token_to_text(a)} {token_to_text(b)}\n" for a, b in merges)
         with atomic_write(tmp / SPECIAL_TOKENS_FILE, "w") as f:
             json.dump(list(special_tokens or []), f, ensure_ascii=False)
+        if chat_template is not None:
+            with atomic_write(tmp / CHAT_TEMPLATE_FILE, "w") as f:
+                f.write(chat_template)
     return directory
 
 
@@ -177,6 +185,12 @@ def load_tokenizer_files(
     special_path = directory / SPECIAL_TOKENS_FILE
     special_tokens = load_special_tokens(special_path) if special_path.exists() else []
     return vocab, merges, special_tokens
+
+
+def load_chat_template(directory: str | os.PathLike) -> str | None:
+    """The chat template of a tokenizer directory, None when it has none (a base model's tokenizer)."""
+    path = Path(directory) / CHAT_TEMPLATE_FILE
+    return _read_text(path) if path.exists() else None
 
 
 def _read_text(path: Path) -> str:

@@ -42,6 +42,7 @@ from scratchlm.tokenizer.pretokenize import (
     split_on_special_tokens,
 )
 from scratchlm.tokenizer.serialization import (
+    load_chat_template,
     load_merges,
     load_tokenizer_files,
     load_vocab,
@@ -73,7 +74,8 @@ class Tokenizer:
     """A byte-level BPE tokenizer: `vocab` maps ids to byte strings, `merges` lists the merges in creation order.
 
     Special tokens not in `vocab` are added with the next free ids. Every merge must join two tokens of the
-    vocabulary into a third.
+    vocabulary into a third. `chat_template` is a chat model's template (Jinja source, `scratchlm.chat`); it
+    travels with the tokenizer and does not change how text is encoded.
     """
 
     def __init__(
@@ -81,10 +83,12 @@ class Tokenizer:
         vocab: dict[int, bytes],
         merges: list[tuple[bytes, bytes]],
         special_tokens: list[str] | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.vocab: dict[int, bytes] = dict(vocab)
         self.merges: list[tuple[bytes, bytes]] = list(merges)
         self.special_tokens: list[str] = list(dict.fromkeys(special_tokens or []))
+        self.chat_template = chat_template
 
         # Special tokens not in the vocabulary join it here, with the next free ids.
         self._token_ids, self._special_ids = index_vocabulary(self.vocab, self.special_tokens)
@@ -125,17 +129,18 @@ class Tokenizer:
         """Load a tokenizer directory written by `save` (or `save_tokenizer`)."""
         vocab, merges, special_tokens = load_tokenizer_files(directory)
         try:
-            return cls(vocab, merges, special_tokens)
+            return cls(vocab, merges, special_tokens, load_chat_template(directory))
         except ScratchlmError as e:
             raise ScratchlmError(f"{directory}: {e}") from None
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write `vocab.json`, `merges.txt` and `special_tokens.json` into `directory` (atomically)."""
-        return save_tokenizer(directory, self.vocab, self.merges, self.special_tokens)
+        """Write `vocab.json`, `merges.txt`, `special_tokens.json` and the chat template, if any, into
+        `directory` (atomically)."""
+        return save_tokenizer(directory, self.vocab, self.merges, self.special_tokens, self.chat_template)
 
     def __reduce__(self) -> tuple:
         # Rebuilt from its definition: the cache is not worth sending to another process.
-        return (type(self), (self.vocab, self.merges, self.special_tokens))
+        return (type(self), (self.vocab, self.merges, self.special_tokens, self.chat_template))
 
     def __repr__(self) -> str:
         return (
@@ -180,17 +185,23 @@ class Tokenizer:
     # -- encoding ---------------------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """The token ids of `text`."""
+        """The token ids of `text`, where the text of a special token becomes that token."""
         ids: list[int] = []
         for piece, is_special in split_on_special_tokens(text, self._special_re):
             if is_special:
                 ids.append(self._special_ids[piece])
             else:
-                # All C-level while the cache is warm: find the pre-tokens, look each one up, flatten.
-                # (`isascii` costs nothing: CPython records it when it builds the string.)
-                pretokens = (ASCII_PRETOKEN_RE if piece.isascii() else PRETOKEN_RE).findall(piece)
-                ids.extend(itertools.chain.from_iterable(map(self._cache.__getitem__, pretokens)))
+                ids.extend(self.encode_ordinary(piece))
         return ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The token ids of `text` read as ordinary text: the text of a special token is encoded as its
+        characters, never as the token. What a user types into a chat is encoded this way, so that typing
+        `<|user|>` cannot forge a turn."""
+        # All C-level while the cache is warm: find the pre-tokens, look each one up, flatten.
+        # (`isascii` costs nothing: CPython records it when it builds the string.)
+        pretokens = (ASCII_PRETOKEN_RE if text.isascii() else PRETOKEN_RE).findall(text)
+        return list(itertools.chain.from_iterable(map(self._cache.__getitem__, pretokens)))
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Ids of the concatenation of `iterable` (e.g. an open text file), produced lazily in bounded memory.
