@@ -41,6 +41,15 @@ def small_tokenizer() -> Tokenizer:
     return Tokenizer(vocab, merges, [END_OF_TEXT])
 
 
+@functools.cache
+def chat_tokenizer() -> Tokenizer:
+    """The small tokenizer with the chat template's special tokens added: a chat model's, as `scratchlm sft`
+    makes one of a base run's."""
+    from scratchlm.chat.template import with_chat_tokens
+
+    return with_chat_tokens(small_tokenizer())[0]
+
+
 def scratch_model(config: ModelConfig, seed: int = 0) -> TransformerLM:
     """A randomly initialised model, its RMSNorm gains randomised too (they start at 1, which would hide a
     gain applied to the wrong dimension)."""

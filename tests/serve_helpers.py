@@ -1,32 +1,42 @@
-"""A server in a thread for the serving tests, and raw HTTP for what the `openai` client would not send."""
+"""A server in a thread for the serving tests, raw HTTP for what the `openai` client would not send, tiny runs
+(base and chat models) to serve, and headless Chromium for the page."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import shutil
+import socket
 import threading
 import time
 from pathlib import Path
 
 import openai
+import pytest
 import torch
 from interop_helpers import make_run, scratch_model, small_tokenizer
 
-from scratchlm.generation.generate import generate_stream
+from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, Message, chat_template, with_chat_tokens
+from scratchlm.generation.generate import generate, generate_stream
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.serving.api import engine_stop_ids
 from scratchlm.serving.engine import Engine
 from scratchlm.serving.server import build_server
 from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer.tokenizer import Tokenizer
 
 TIMEOUT = 30  # seconds: every request of these tests is bounded
 
 
 class Running:
-    """A server in a thread, its engine, the model and tokenizer it serves, and its base URL."""
+    """A server in a thread, its engine, the model and tokenizer it serves, and its base URL. The engine stops
+    where `scratchlm serve` makes it stop (a chat model's end of turn too) unless `stop_ids` says otherwise."""
 
     def __init__(self, trained, name: str, api_key: str | None = None, **engine_options) -> None:
         self.model, self.tokenizer, self.name = trained.model, trained.tokenizer, name
         self.eos_id = self.tokenizer.token_id(END_OF_TEXT)
+        engine_options.setdefault("stop_ids", engine_stop_ids(self.tokenizer))
         self.engine = Engine(self.model, self.eos_id, **engine_options)
         self.engine.start()
         self.server = build_server(self.engine, self.tokenizer, name, port=0, api_key=api_key)
@@ -107,3 +117,61 @@ def tiny_run(directory: Path, context: int, seed: int, **model) -> Path:
         **model,
     )
     return make_run(directory, scratch_model(config, seed=seed), tokenizer)
+
+
+# Conversations whose greedy replies choose the token that a `chat_run`'s model ends its turns with.
+PROBES = ["Hello there", "Reverse: a b c", "What is the weather like today?", "Tell me a story", "1 2 3"]
+
+
+def turn_ending(model: TransformerLM, template: ChatTemplate | JinjaChatTemplate, end: int) -> None:
+    """Make `model` end its turns with the token `end`: a random model seldom writes it, so its head's row for
+    it becomes a copy, 5 % larger, of the row of the token its greedy replies to `PROBES` write most often (the
+    smallest id among equals). A reply then ends where it would have written that token with a positive logit,
+    at different places in different conversations."""
+    counts: dict[int, int] = {}
+    for probe in PROBES:
+        ids = template.encode([Message("user", probe)])
+        for token in set(generate(model, ids, 40, temperature=0)):
+            counts[token] = counts.get(token, 0) + 1
+    common = min(counts, key=lambda token: (-counts[token], token))
+    with torch.no_grad():
+        model.lm_head.weight[end] = 1.05 * model.lm_head.weight[common]
+
+
+def chat_run(directory: Path, context: int, seed: int, tokenizer: Tokenizer | None = None, **model) -> Path:
+    """A run directory of a tiny random chat model (as `tiny_run`): `tokenizer` (default: the small tokenizer
+    carrying scratchlm's chat template, its chat tokens added), and a model over its vocabulary that ends its
+    turns with the template's end-of-turn token (`turn_ending`)."""
+    tokenizer = tokenizer or with_chat_tokens(small_tokenizer())[0]
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        context_length=context,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        **model,
+    )
+    chat_model = scratch_model(config, seed=seed)
+    template = chat_template(tokenizer)
+    (end,) = template.stop_ids - {tokenizer.eos_id}
+    turn_ending(chat_model, template, end)
+    return make_run(directory, chat_model, tokenizer)
+
+
+def chromium_driver(width: int = 420, height: int = 860):
+    """Headless Chromium through Selenium and chromium-driver (Debian's packages; nothing is downloaded)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("chromium not installed (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={width},{height}"):
+        options.add_argument(argument)
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,7 +1,8 @@
 """`scratchlm import-hf DIR --out RUN_DIR`: a local Hugging Face checkpoint of the Llama architecture, or one that
 `scratchlm export --format hf` wrote (config.json, safetensors, and its byte-level BPE tokenizer.json), as a
-scratchlm run directory, which `generate`, `eval`, `export` and `train --init-from` take. An export with its
-modeling code is read from its config.json, without running the code. See scratchlm/interop/hf.py."""
+scratchlm run directory, which `generate`, `eval`, `export` and `train --init-from` take; a chat model keeps its
+chat template, for `chat` and `serve`. An export with its modeling code is read from its config.json, without
+running the code. See scratchlm/interop/hf.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from scratchlm.chat.template import ChatTemplate, chat_template
     from scratchlm.console import console
     from scratchlm.interop.hf import import_hf
     from scratchlm.run.load import load_trained
@@ -38,3 +40,7 @@ def run(args: argparse.Namespace) -> None:
         f"{out}/config.toml --set data.train=FILE --set data.valid=FILE --set training.max_steps=N "
         "--set logging.run_dir=DIR"
     )
+    template = chat_template(trained.tokenizer) if trained.tokenizer is not None else None
+    if template is not None:
+        kind = "scratchlm's" if isinstance(template, ChatTemplate) else "the model's own (Jinja)"
+        console.print(f"a chat model, with {kind} chat template: scratchlm chat --run {out}")

@@ -1,4 +1,5 @@
-"""`scratchlm serve --run DIR`: a trained model behind OpenAI's completions API and a web page.
+"""`scratchlm serve --run DIR`: a trained model behind OpenAI's completions API and a web page; a chat model
+(one whose tokenizer carries a chat template) behind the chat completions API too.
 
 Concurrent requests share the model's forward passes (see `scratchlm.serving`). The server listens on
 127.0.0.1 unless `--host` says otherwise; with `--api-key KEY`, every API request needs
@@ -12,7 +13,10 @@ from pathlib import Path
 
 from scratchlm.cli.options import add_model_source_arguments, load_for_inference
 
-HELP = "Serve a trained model: an OpenAI-compatible completions API and a web page, with batched generation."
+HELP = (
+    "Serve a trained model: an OpenAI-compatible completions API (and chat completions for a chat model) and "
+    "a web page, with batched generation."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +47,7 @@ def run(args: argparse.Namespace) -> None:
             f"serving needs Starlette and uvicorn ({e.name} is not installed): pip install 'scratchlm[serve]'"
         ) from None
     from scratchlm.console import console
+    from scratchlm.serving.api import engine_stop_ids
     from scratchlm.serving.engine import Engine
 
     if args.max_batch < 1 or args.max_queue < 1:
@@ -55,7 +60,13 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = trained.tokenizer
     name = model_name(args.run, trained.checkpoint)
     console.print(choices.summary(), markup=False)
-    engine = Engine(trained.model, tokenizer.eos_id, max_batch=args.max_batch, max_queue=args.max_queue)
+    engine = Engine(
+        trained.model,
+        tokenizer.eos_id,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        stop_ids=engine_stop_ids(tokenizer),
+    )
     server = build_server(engine, tokenizer, name, args.host, args.port, args.api_key)
     engine.start()
     try:
@@ -63,7 +74,8 @@ def run(args: argparse.Namespace) -> None:
         url = f"http://{args.host}:{args.port}"
         console.print(f"serving {name} ({parameters / 1e6:.1f}M parameters) from {trained.checkpoint}")
         console.print(f"  page: {url}/")
-        console.print(f"  API:  {url}/v1  (OpenAI completions; model name '{name}')")
+        api = "OpenAI completions" + (" and chat completions" if tokenizer.chat_template is not None else "")
+        console.print(f"  API:  {url}/v1  ({api}; model name '{name}')")
         console.print("Ctrl-C to stop", style="dim")
         server.run()
     finally:

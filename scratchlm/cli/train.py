@@ -42,6 +42,10 @@ def run(args: argparse.Namespace) -> None:
         # As a TOML string, whatever the path looks like.
         overrides.append(f"training.init_from={json.dumps(args.init_from)}")
     config = TrainConfig.load(args.config, overrides)  # a mistake in it is reported before torch loads
+    if config.sft.train:
+        from scratchlm.errors import ScratchlmError
+
+        raise ScratchlmError(f"{args.config}: a config with [sft] fine-tunes: run `scratchlm sft --config FILE`")
     from scratchlm.training.trainer import train
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)

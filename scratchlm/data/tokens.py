@@ -71,6 +71,36 @@ def get_batch(
     return gather_batch(dataset, starts, context_length, device)
 
 
+class TokenWindows:
+    """Pretraining batches: windows of `context_length + 1` tokens at uniform random starts of `tokens`, every
+    target counted. (`scratchlm.chat.conversations.ConversationBatches` is the fine-tuning counterpart: the
+    training step reads either through `draw`, `gather` and `counted`.)"""
+
+    ignore_index = None  # every target counts
+
+    def __init__(self, tokens: np.ndarray, context_length: int) -> None:
+        self.tokens, self.context_length = tokens, context_length
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def draw(self, batch_size: int, generator: np.random.Generator) -> np.ndarray:
+        return sample_starts(len(self.tokens), batch_size, self.context_length, generator)
+
+    def counted(self, starts: np.ndarray) -> int:
+        return len(starts) * self.context_length
+
+    def gather(
+        self, starts: np.ndarray, device: str | torch.device
+    ) -> tuple[Int[Tensor, "batch context"], Int[Tensor, "batch context"]]:
+        return gather_batch(self.tokens, starts, self.context_length, device)
+
+    def validation_batches(self, iters: int, batch_size: int, seed: int) -> list[np.ndarray]:
+        """`iters` batches of windows drawn from their own generator: the same ones at every estimate."""
+        generator = np.random.default_rng(seed)
+        return [self.draw(batch_size, generator) for _ in range(iters)]
+
+
 def load_tokens(path: str | Path, vocab_size: int, context_length: int) -> np.ndarray:
     """Memory-map a `.npy` token file and check it: 1-D integers, every id < `vocab_size`, long enough."""
     path = Path(path)

@@ -32,10 +32,13 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import COMPUTATION_FIELDS, ModelConfig
+
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.tokenizer import Tokenizer
 
 INSTALL_HINT = 'pip install "scratchlm[hf]"'
 
@@ -169,6 +172,19 @@ def export_note(config: ModelConfig, architecture: Architecture) -> str | None:
             "trust_remote_code=True)"
         )
     return f"{features}: written as {architecture.hf_class}, which computes the same function"
+
+
+def stop_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids at which what a model writes ends, for a format's generation settings: `<|endoftext|>` first
+    (a document's end, and the id a format's one end-of-sequence field holds), then a chat model's end of
+    turn (`scratchlm.chat`), so that a reader's generation stops where scratchlm's does. Empty when the
+    tokenizer has neither."""
+    from scratchlm.chat.template import chat_template
+
+    template = chat_template(tokenizer)
+    eos = tokenizer.eos_id
+    turn_ends = sorted(template.stop_ids - {eos}) if template is not None else []
+    return ([eos] if eos is not None else []) + turn_ends
 
 
 def require(module: str) -> ModuleType:

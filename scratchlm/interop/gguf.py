@@ -11,6 +11,8 @@ architecture reads:
     tokenizer.ggml.tokens (each token's text in GPT-2's printable byte form, special tokens as written),
     .token_type (1 normal, 3 control = special, 5 unused = padding up to the model's vocab_size),
     .merges ("a b", in rank order), .bos_token_id / .eos_token_id (<|endoftext|>), .add_bos_token = false
+    tokenizer.chat_template (a chat model's Jinja template, `scratchlm.chat`), .eot_token_id (its end of turn,
+    <|end|>, where llama.cpp ends an answer as it ends a document at the end-of-sequence token)
 
 Tensors are under llama.cpp's names (`GGUFAdapter.names`; `output` is absent when tied: llama.cpp then uses
 `token_embd`). Each matrix is stored as numpy writes a PyTorch `(out, in)` weight, which GGUF records as
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from scratchlm.console import console
-from scratchlm.interop import LLAMA, require
+from scratchlm.interop import LLAMA, require, stop_ids
 from scratchlm.interop.adapter import StateDictAdapter
 from scratchlm.interop.formats import ExportResult
 from scratchlm.interop.verify import (
@@ -122,6 +124,11 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
         writer.add_bos_token_id(eos)
         writer.add_eos_token_id(eos)
     writer.add_add_bos_token(False)
+    if tokenizer.chat_template is not None:
+        writer.add_chat_template(tokenizer.chat_template)
+        turn_ends = [i for i in stop_ids(tokenizer) if i != eos]
+        if turn_ends:
+            writer.add_eot_token_id(turn_ends[0])
 
     quantization = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}
     for tensor_name, tensor in GGUFAdapter(c).to_external(model.state_dict()).items():

@@ -9,26 +9,32 @@ for the model of the CS336 assignment-1 handout, Qwen3 when QK-norm is its only 
                              tie_word_embeddings, no biases
     model.safetensors        the tensors under transformers' names (`HFAdapter.names`), W_Q and W_K rows
                              permuted from RoPE's adjacent pairs to halves; the LM head left out when tied
-    generation_config.json   <|endoftext|> as the end of a sequence
-    tokenizer.json           byte-level BPE (`tokenizer_json`), with tokenizer_config.json
+    generation_config.json   <|endoftext|> as the end of a sequence, and a chat model's end of turn (<|end|>):
+                             transformers' `generate` stops where scratchlm's does
+    tokenizer.json           byte-level BPE (`tokenizer_json`), with tokenizer_config.json, which holds a chat
+                             model's template as `chat_template` (Jinja): `apply_chat_template` gives the ids
+                             of scratchlm's template
 
 Every other model is written with scratchlm's own modeling code (`hf_remote.py`): config.json names it, the two
 files sit beside the weights, and `from_pretrained(DIR, trust_remote_code=True)` loads it.
 
 Importing reads `config.json` and the safetensors (one file, or shards listed by model.safetensors.index.json),
 refusing by name every setting of a Llama or Qwen3 checkpoint that scratchlm does not compute (rope scaling,
-biases, another activation, sliding windows), and the tokenizer.json if there is one. A scratchlm export is read
-without running its code: its config.json names every setting. The run directory it writes is one that
-`generate`, `eval`, `export` and `train --init-from` take:
+biases, another activation, sliding windows), and the tokenizer.json if there is one, with the chat template
+where transformers finds it (`chat_template.jinja`, else tokenizer_config.json's `chat_template`): a chat model
+stays one, for `scratchlm chat` and the server, and a scratchlm export gives back scratchlm's template. A
+scratchlm export is read without running its code: its config.json names every setting. The run directory it
+writes is one that `generate`, `chat`, `eval`, `export` and `train --init-from` take:
 
     RUN/checkpoints/step_00000000.pt   the weights (float32), model_config, tokenizer_fingerprint, imported_from
-    RUN/tokenizer/                     the tokenizer, as `Tokenizer.save` writes it
+    RUN/tokenizer/                     the tokenizer, as `Tokenizer.save` writes it (the chat template too)
     RUN/config.toml                    a training config to fine-tune from: [data] tokenizer, [model],
                                        [training] init_from (add data.train, data.valid and a budget)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -36,9 +42,10 @@ from typing import Any
 
 from torch import Tensor
 
+from scratchlm.chat.template import JINJA, Message, chat_template
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
-from scratchlm.interop import LLAMA, QWEN3, SCRATCHLM, Architecture, require
+from scratchlm.interop import LLAMA, QWEN3, SCRATCHLM, Architecture, require, stop_ids
 from scratchlm.interop.adapter import StateDictAdapter
 from scratchlm.interop.formats import ExportResult
 from scratchlm.interop.hf_remote import (
@@ -66,10 +73,19 @@ from scratchlm.run.load import TrainedModel, check_pair
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
+# Where recent versions of transformers save a tokenizer's chat template (older ones: tokenizer_config.json).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 HF_EXPORT_KIND = "hf-export"  # the output marker of an exported directory (scratchlm.io)
 # A text that exercises every kind of pre-token, special tokens and multi-byte characters: the exported
 # tokenizer must give scratchlm's ids on it.
 CHECK_TEXT = "Hello, world! It's 2024: naïve café, 東京, emoji 🙂.\n\n\tx  y {END_OF_TEXT}after"
+# A conversation of several turns, with spaces, newlines and multi-byte characters in its messages: a chat
+# model's exported template must give scratchlm's ids on it. No system message, which some templates refuse.
+CHECK_CONVERSATION = (
+    Message("user", "Hello! naïve café, 東京?"),
+    Message("assistant", " Fine.\n\n\tAnd you? "),
+    Message("user", "{{ not Jinja }}\n"),
+)
 
 
 class HFAdapter(StateDictAdapter):
@@ -144,23 +160,32 @@ def hf_config(
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) -> None:
     """tokenizer.json and tokenizer_config.json: a fast tokenizer that adds no tokens around the text, decodes
-    without touching spaces and gives the model its ids and attention mask only."""
+    without touching spaces and gives the model its ids and attention mask only; and a chat model's template,
+    in tokenizer_config.json, where every version of transformers (and llama.cpp's converter) reads it."""
     eos = END_OF_TEXT if END_OF_TEXT in tokenizer.special_tokens else None
     _write_json(directory / "tokenizer.json", to_tokenizer_json(tokenizer))
-    _write_json(
-        directory / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": context_length,
-            "bos_token": eos,
-            "eos_token": eos,
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            # What it returns for the model: no token_type_ids, which no exported model takes.
-            "model_input_names": ["input_ids", "attention_mask"],
-        },
-    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": context_length,
+        "bos_token": eos,
+        "eos_token": eos,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        # What it returns for the model: no token_type_ids, which no exported model takes.
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
+    _write_json(directory / "tokenizer_config.json", config)
+
+
+def generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
+    """generation_config.json: where transformers' `generate` stops, `stop_ids` (one id, or the list of them
+    for a chat model, whose answer ends at its end of turn)."""
+    ends = stop_ids(tokenizer)
+    eos = tokenizer.eos_id
+    return {"bos_token_id": eos, "eos_token_id": ends if len(ends) > 1 else eos}
 
 
 def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32") -> ExportResult:
@@ -180,8 +205,7 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
         _write_json(tmp / "config.json", hf_config(config, architecture, trained.tokenizer, dtype))
         if architecture.custom_code:
             copy_remote_code(tmp)
-        eos = trained.tokenizer.eos_id
-        _write_json(tmp / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos})
+        _write_json(tmp / "generation_config.json", generation_config(trained.tokenizer))
         write_tokenizer(trained.tokenizer, tmp, config.context_length)
         difference = _verify(tmp, architecture, model, trained.tokenizer, dtype)
     code = " with its modeling code" if architecture.custom_code else ""
@@ -191,8 +215,9 @@ def export_hf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32")
 def _verify(
     directory: Path, architecture: Architecture, model: TransformerLM, tokenizer: Tokenizer, dtype: str
 ) -> float | None:
-    """Load `directory` with transformers: its tokenizer must give scratchlm's ids on `CHECK_TEXT`, its model
-    scratchlm's logits (`verify.check_logits`). None when transformers is not installed."""
+    """Load `directory` with transformers: its tokenizer must give scratchlm's ids on `CHECK_TEXT` (and, with a
+    chat template, on `CHECK_CONVERSATION`), its model scratchlm's logits (`verify.check_logits`). None when
+    transformers is not installed."""
     transformers = optional_transformers()
     if transformers is None:
         console.print("warning: transformers is not installed, so the export was not checked against it")
@@ -208,6 +233,17 @@ def _verify(
     text = CHECK_TEXT.format(END_OF_TEXT=END_OF_TEXT)
     if hf_tokenizer.encode(text) != tokenizer.encode(text):
         raise ScratchlmError(f"transformers' tokenizer of {directory} encodes other ids than scratchlm's")
+    template = chat_template(tokenizer)
+    if template is not None:
+        conversation = [{"role": m.role, "content": m.content} for m in CHECK_CONVERSATION]
+        theirs = hf_tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if list(theirs) != template.encode(CHECK_CONVERSATION):
+            raise ScratchlmError(
+                f"transformers' apply_chat_template with the chat template of {directory} gives other ids than "
+                "scratchlm's; nothing was written"
+            )
     return check_logits(as_stored(model, dtype), lambda ids: hf_model(ids).logits, "the transformers model")
 
 
@@ -319,8 +355,50 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
     return {key: value for key, value in tensors.items() if not key.endswith("rotary_emb.inv_freq")}
 
 
+def read_chat_template(directory: Path) -> str | None:
+    """The chat template of a transformers checkpoint, where transformers looks for it: `chat_template.jinja`,
+    which takes priority, else tokenizer_config.json's `chat_template` (one template, or named ones, of which
+    chat uses `default`). None when there is none."""
+    jinja = directory / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ScratchlmError(f"{jinja} is not UTF-8 text (byte {e.start})") from None
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    values = _read_json(path)
+    template = values.get("chat_template") if isinstance(values, dict) else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            console.print(f"warning: {path} names no default chat template; imported without one")
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ScratchlmError(f"{path}: chat_template is not Jinja text (got {type(template).__name__})")
+    return template
+
+
+def _usable_template(tokenizer: Tokenizer, source: Path) -> Tokenizer:
+    """`tokenizer`, or, when scratchlm cannot use its chat template (Jinja that does not parse, or that refuses
+    a plain conversation), the same tokenizer without it: the model is imported as a base model, with a
+    warning naming the reason, rather than as a chat model on which every conversation would fail. Without
+    jinja2 a foreign template cannot be tried here and is kept."""
+    foreign = tokenizer.chat_template != JINJA  # scratchlm's own template is Python: no jinja2 needed
+    if tokenizer.chat_template is None or (foreign and importlib.util.find_spec("jinja2") is None):
+        return tokenizer
+    try:
+        chat_template(tokenizer)
+    except ScratchlmError as e:
+        console.print(f"warning: the chat template of {source} cannot be used ({e}); imported without it")
+        return Tokenizer(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+    return tokenizer
+
+
 def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]:
-    """The scratchlm model (in eval mode) and tokenizer of a transformers checkpoint directory."""
+    """The scratchlm model (in eval mode) and tokenizer, with its chat template, of a transformers checkpoint
+    directory."""
     directory = Path(source)
     if not directory.is_dir():
         raise ScratchlmError(f"{directory} is not a directory (expected a Hugging Face checkpoint directory)")
@@ -329,7 +407,9 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
     tokenizer = None
     tokenizer_path = directory / "tokenizer.json"
     if tokenizer_path.is_file():
-        tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path))
+        template = read_chat_template(directory)
+        tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path), template)
+        tokenizer = _usable_template(tokenizer, directory)
         check_pair(config, tokenizer, None, str(tokenizer_path), f"the model of {config_path}")
     state = adapter(config).from_external(read_safetensors(directory), str(directory))
     model = TransformerLM(config)

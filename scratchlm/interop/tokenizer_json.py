@@ -72,9 +72,10 @@ def to_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def from_tokenizer_json(data: Any, source: str) -> Tokenizer:
-    """The scratchlm `Tokenizer` of a `tokenizer.json` (parsed); a one-line error naming the field of
-    `source` that scratchlm's byte-level BPE cannot reproduce."""
+def from_tokenizer_json(data: Any, source: str, chat_template: str | None = None) -> Tokenizer:
+    """The scratchlm `Tokenizer` of a `tokenizer.json` (parsed), carrying `chat_template` (which a checkpoint
+    keeps beside it); a one-line error naming the field of `source` that scratchlm's byte-level BPE cannot
+    reproduce."""
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise ScratchlmError(f"{source} is not a tokenizers tokenizer.json (no model object)")
     model = data["model"]
@@ -126,7 +127,7 @@ def from_tokenizer_json(data: Any, source: str) -> Tokenizer:
             raise ScratchlmError(f"{source}: model.merges[{rank}] = {merge!r} is not two byte-level tokens")
         merges.append(tuple(bytes(table[c] for c in part) for part in parts))
     try:
-        return Tokenizer(vocab, merges, special_tokens)
+        return Tokenizer(vocab, merges, special_tokens, chat_template)
     except ScratchlmError as e:
         raise ScratchlmError(f"{source}: {e}") from None
 

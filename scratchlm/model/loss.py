@@ -7,7 +7,8 @@ For logits `o` over the vocabulary and the true next token `x`,
 Exponentiating large logits overflows, so the maximum `m` is subtracted first (the softmax does not change):
 `ℓ = log Σ_j exp(o_j - m) - (o_x - m)`. The log and the exp of the target term cancel, so the probability of
 the target is never formed (it can underflow to 0, whose log is -inf). The loss is averaged over every batch
-dimension; perplexity is `exp` of that mean. Arithmetic is float32 even for bfloat16 logits (autocast), because
+dimension; perplexity is `exp` of that mean. Targets equal to `IGNORE` (the prompt of a conversation in
+fine-tuning, padding) are left out of the mean and get no gradient when `ignore_index=IGNORE` is passed. Arithmetic is float32 even for bfloat16 logits (autocast), because
 a sum of 10^4..10^5 exponentials in bfloat16 loses most of its digits.
 
 The gradient is written out: with `N` positions averaged, `∂ℓ/∂o_j = (softmax(o)_j - [j = x]) / N`, one pass
@@ -27,8 +28,16 @@ from torch import Tensor
 from scratchlm.errors import ScratchlmError
 
 
-def cross_entropy(logits: Float[Tensor, "... vocab"], targets: Int[Tensor, "..."]) -> Float[Tensor, ""]:
-    """Mean over all batch dimensions of `-log softmax(logits)[target]`, in float32."""
+IGNORE = -1  # a target the loss leaves out
+
+
+def cross_entropy(
+    logits: Float[Tensor, "... vocab"], targets: Int[Tensor, "..."], ignore_index: int | None = None
+) -> Float[Tensor, ""]:
+    """Mean of `-log softmax(logits)[target]` over all batch dimensions, in float32; with `ignore_index`,
+    targets equal to it are left out of the mean (all of them left out: 0)."""
+    if ignore_index is not None:
+        return _MaskedCrossEntropy.apply(logits, targets.long(), ignore_index)
     return _CrossEntropy.apply(logits, targets.long())
 
 
@@ -50,6 +59,32 @@ class _CrossEntropy(torch.autograd.Function):
         probs = (logits.float() - log_sum_exp).exp()
         grad_logits = (probs - is_target.float()) * (grad_loss / targets.numel())
         return grad_logits.to(logits.dtype), None
+
+
+class _MaskedCrossEntropy(torch.autograd.Function):
+    """`_CrossEntropy` over the positions whose target is not `ignore_index`: the others add nothing to the
+    mean, and their logits get a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+        keep = targets != ignore_index
+        count = keep.sum().clamp(min=1)
+        targets = torch.where(keep, targets, 0)  # any valid index: its term is multiplied by 0
+        logits32 = logits.float()
+        max_logit = logits32.amax(dim=-1, keepdim=True)
+        log_sum_exp = (logits32 - max_logit).exp().sum(dim=-1, keepdim=True).log() + max_logit
+        target_logit = logits32.gather(-1, targets.unsqueeze(-1))
+        ctx.save_for_backward(logits, targets, keep, log_sum_exp, count)
+        return ((log_sum_exp - target_logit).squeeze(-1) * keep).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:
+        logits, targets, keep, log_sum_exp, count = ctx.saved_tensors
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        is_target = vocab == targets.unsqueeze(-1)
+        probs = (logits.float() - log_sum_exp).exp()
+        weight = keep.unsqueeze(-1) * (grad_loss / count)
+        return ((probs - is_target.float()) * weight).to(logits.dtype), None, None
 
 
 CHUNK_LOGITS = 2**24

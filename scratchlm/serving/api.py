@@ -5,10 +5,12 @@
     GET  /v1/models            the one model served
     POST /v1/completions       OpenAI's (legacy) completions: prompt (text or token ids), max_tokens,
                                temperature, top_p, stop, seed, n, stream, logprobs, echo; and vLLM's top_k
-    GET  /tokenizer_info       the tokenizer's special tokens and context, as vLLM serves them
+    POST /v1/chat/completions  OpenAI's chat completions: messages, max_tokens or max_completion_tokens,
+                               temperature, top_p, stop, seed, n, stream; and vLLM's top_k. A chat model's
+                               only: a base model has no chat template, and this path answers it 404
+    GET  /tokenizer_info       the tokenizer's special tokens, context and chat template, as vLLM serves them
     POST /tokenize             text -> token ids, as vLLM
     POST /detokenize           token ids -> text, as vLLM
-    /v1/chat/completions       404: a base model has no chat template
 
 A request is checked in full before anything is queued; anything wrong is answered with OpenAI's error shape,
 `{"error": {"message", "type", "param", "code"}}`, and a 4xx status (`APIError`), and the server carries on. The
@@ -17,11 +19,16 @@ and the server's limits. Each prompt of a request, `n` times, becomes one `Seque
 (choice i is prompt i // n); with a `seed`, choice i samples with seed `seed + i`, so a request with a seed is
 reproduced exactly and its choices still differ from one another.
 
+A chat request is the completion of its conversation: the chat template makes the messages one prompt of
+token ids (`parse_chat_request`), `Completions` runs it like any other, and only the answer's shape differs
+(`shapes.py`). The engine of a chat model also stops at the template's end-of-turn token.
+
 Text is produced from the tokens by the tokenizer's `Detokenizer` (a token can end inside a multi-byte
 character), and while a `stop` string may be starting, up to `len(longest stop) - 1` characters are held back;
-when one appears, the completion ends before it and the sequence is cancelled. End-of-text ends a completion
-too (`finish_reason` "stop") and is not part of its text. `usage` counts the prompt's tokens and every token
-the model produced for the completions, end-of-text included.
+when one appears, the completion ends before it and the sequence is cancelled. End-of-text (and a chat
+model's end of turn) ends a completion too (`finish_reason` "stop") and is not part of its text. `usage` counts
+the prompt's tokens (a chat request's: the templated conversation's) and every token the model produced for
+the completions, the one that ended it included.
 
 Limits: a body of at most `MAX_BODY_BYTES` (413 above), `max_tokens` at most the context length (400 above;
 `prompt + completion` is then capped at the context, `finish_reason` "length"), a prompt of at most the
@@ -34,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +54,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, chat_template
+from scratchlm.errors import ScratchlmError
 from scratchlm.serving.engine import (
     Engine,
     Failed,
@@ -59,7 +67,15 @@ from scratchlm.serving.engine import (
     Token,
     TokenLogprob,
 )
-from scratchlm.serving.requests import APIError, CompletionRequest, parse_completion_request, read_json
+from scratchlm.serving.requests import (
+    APIError,
+    CompletionRequest,
+    check_context,
+    parse_chat_request,
+    parse_completion_request,
+    read_json,
+)
+from scratchlm.serving.shapes import CHAT, COMPLETION, Shape
 from scratchlm.serving.text import CompletionText
 from scratchlm.serving.tokenization import TOKENIZER_PATHS, tokenizer_routes
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -94,21 +110,14 @@ class GenerationFailed(Exception):
 
 
 class Completions:
-    """Runs the choices of one /v1/completions request on the engine and shapes their pieces."""
+    """Runs the choices of one completions (or chat) request on the engine and makes their pieces."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, request: CompletionRequest) -> None:
         self.engine, self.tokenizer, self.request = engine, tokenizer, request
         self.prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in request.prompts]
         self.prompt_texts = [tokenizer.decode(p) if isinstance(p, list) else p for p in request.prompts]
-        context = engine.model.config.context_length
         for ids in self.prompt_ids:
-            if len(ids) > context:
-                raise APIError(
-                    400,
-                    f"the prompt has {len(ids)} tokens; this model's context is {context} tokens",
-                    "prompt",
-                    code="context_length_exceeded",
-                )
+            check_context(len(ids), engine.model.config.context_length, "prompt", "the prompt")
         self.usage = {
             "prompt_tokens": request.n * sum(map(len, self.prompt_ids)),
             "completion_tokens": 0,
@@ -165,9 +174,10 @@ class Completions:
                 yield piece(prompt, prompt_ids, [None, *event.tokens], 0)
             elif isinstance(event, Token):
                 self.usage["completion_tokens"] += 1
-                if event.token_id == self.engine.eos_id:
-                    # The end of the text, not part of it (`Finished` follows); but a token the model chose,
-                    # so its log-probability is reported: a harness that asks for one token reads the last.
+                if event.token_id in self.engine.stop_ids:
+                    # The end of the text (or of a chat turn), not part of it (`Finished` follows); but a token
+                    # the model chose, so its log-probability is reported: a harness that asks for one token
+                    # reads the last.
                     if request.logprobs is not None:
                         offset = text.offset + len(text.text)
                         yield piece("", [event.token_id], [event.logprob], offset)
@@ -216,34 +226,18 @@ class Completions:
             self.cancel()
 
 
-def _merge(pieces: list[dict]) -> dict:
-    """One choice from its pieces, in order."""
-    choice = {
-        "index": pieces[0]["index"],
-        "text": "",
-        "logprobs": None,
-        "finish_reason": pieces[-1]["finish_reason"],
-    }
-    for item in pieces:
-        choice["text"] += item["text"]
-        if item["logprobs"] is not None:
-            if choice["logprobs"] is None:
-                choice["logprobs"] = {key: [] for key in item["logprobs"]}
-            for key, values in item["logprobs"].items():
-                choice["logprobs"][key].extend(values)
-    return choice
-
-
 def _usage(completions: Completions) -> dict:
     total = completions.usage["prompt_tokens"] + completions.usage["completion_tokens"]
     return {**completions.usage, "total_tokens": total}
 
 
-async def _stream(completions: Completions, head: dict) -> AsyncIterator[str]:
+async def _stream(completions: Completions, head: dict, shape: Shape) -> AsyncIterator[str]:
     # A client that goes away cancels this generator where it waits; `pieces` then cancels the sequences.
     try:
+        for choice in shape.opening(len(completions.sequences)):
+            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
         async for item in completions.pieces():
-            yield f"data: {json.dumps({**head, 'choices': [item]})}\n\n"
+            yield f"data: {json.dumps({**head, 'choices': [shape.chunk(item)]})}\n\n"
         if completions.request.include_usage:
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(completions)})}\n\n"
     except GenerationFailed as e:
@@ -252,7 +246,7 @@ async def _stream(completions: Completions, head: dict) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def _complete(request: Request, completions: Completions, head: dict) -> Response:
+async def _complete(request: Request, completions: Completions, head: dict, shape: Shape) -> Response:
     async def collect() -> list[dict]:
         return [item async for item in completions.pieces()]
 
@@ -275,11 +269,20 @@ async def _complete(request: Request, completions: Completions, head: dict) -> R
     by_choice: dict[int, list[dict]] = {}
     for item in pieces:
         by_choice.setdefault(item["index"], []).append(item)
-    choices = [_merge(by_choice[index]) for index in sorted(by_choice)]
+    choices = [shape.choice(by_choice[index]) for index in sorted(by_choice)]
     return JSONResponse({**head, "choices": choices, "usage": _usage(completions)})
 
 
-async def _chat(request: Request) -> Response:
+async def _answer(request: Request, completions: Completions, shape: Shape, model_name: str) -> Response:
+    """Queue a checked request's sequences and answer it, streamed or whole, in `shape`."""
+    completions.submit()
+    head = shape.head(model_name, completions.request.stream)
+    if completions.request.stream:
+        return StreamingResponse(_stream(completions, head, shape), media_type="text/event-stream")
+    return await _complete(request, completions, head, shape)
+
+
+async def _no_chat(request: Request) -> Response:
     raise APIError(
         404,
         "this server has no /v1/chat/completions: it serves a base model, which has no chat template; "
@@ -308,28 +311,48 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
+def engine_stop_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids besides end-of-text at which the engine must end a sequence to serve this tokenizer's model: a
+    chat model's end of turn (none for a base model)."""
+    template = chat_template(tokenizer)
+    return frozenset() if template is None else template.stop_ids
+
+
+def _chat_template(engine: Engine, tokenizer: Tokenizer) -> ChatTemplate | JinjaChatTemplate | None:
+    """The template the chat API applies (None: a base model), checked against the engine: an engine that
+    would not stop at the end of a turn would let the model go on to write the user's next message."""
+    template = chat_template(tokenizer)
+    if template is not None and not template.stop_ids <= engine.stop_ids:
+        raise ScratchlmError(
+            "the engine of a chat model must stop at its end-of-turn token: "
+            "Engine(..., stop_ids=engine_stop_ids(tokenizer))"
+        )
+    return template
+
+
 def create_app(
     engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None
 ) -> Starlette:
-    """The server's ASGI app around a started `engine`."""
+    """The server's ASGI app around a started `engine`; the chat API is there when the tokenizer carries a
+    chat template."""
     config = engine.model.config
     created = int(time.time())
+    template = _chat_template(engine, tokenizer)
 
     async def completions_endpoint(request: Request) -> Response:
         completion_request = parse_completion_request(
             await read_json(request), model_name, config.context_length, tokenizer.vocab_size
         )
-        completions = Completions(engine, tokenizer, completion_request)
-        completions.submit()
-        head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-        }
-        if completion_request.stream:
-            return StreamingResponse(_stream(completions, head), media_type="text/event-stream")
-        return await _complete(request, completions, head)
+        return await _answer(
+            request, Completions(engine, tokenizer, completion_request), COMPLETION, model_name
+        )
+
+    async def chat_endpoint(request: Request) -> Response:
+        assert template is not None  # the route is there only with a template
+        chat_request = parse_chat_request(
+            await read_json(request), model_name, config.context_length, template
+        )
+        return await _answer(request, Completions(engine, tokenizer, chat_request), CHAT, model_name)
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -346,6 +369,7 @@ def create_app(
                 "parameters": engine.model.num_parameters(),
                 "context_length": config.context_length,
                 "api_key_required": api_key is not None,
+                "chat": template is not None,
             }
         )
 
@@ -355,7 +379,11 @@ def create_app(
             Route("/info", info),
             Route("/v1/models", models),
             Route("/v1/completions", completions_endpoint, methods=["POST"]),
-            Route("/v1/chat/completions", _chat, methods=["GET", "POST"]),
+            (
+                Route("/v1/chat/completions", _no_chat, methods=["GET", "POST"])
+                if template is None
+                else Route("/v1/chat/completions", chat_endpoint, methods=["POST"])
+            ),
             *tokenizer_routes(tokenizer, model_name, config.context_length),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],

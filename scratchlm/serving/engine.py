@@ -8,8 +8,9 @@ Requests put sequences in a queue (`submit`); the scheduler thread loops over
     step:   one forward pass over the newest token of every row (`(rows, 1)` token ids), each row at its own
             position and attending to its own keys only; sample each row's next token with its own
             `SamplingOptions` and `torch.Generator`;
-    leave:  a sequence that sampled end-of-text, reached its token budget or was cancelled leaves, and the
-            last row moves into its place, so the rows in use are always 0 .. batch - 1.
+    leave:  a sequence that sampled end-of-text (or another stop id: a chat model's end of turn), reached
+            its token budget or was cancelled leaves, and the last row moves into its place, so the rows in
+            use are always 0 .. batch - 1.
 
 So a request joins the running batch at the next token and leaves it when it is done; a decode step costs a
 few times as much for 16 rows as for 1 on a CPU (the weights are read once per step either way; the TinyStories
@@ -83,7 +84,7 @@ class Token:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop" (end-of-text) or "length" (the token budget)
+    reason: str  # "stop" (end-of-text, or another of the engine's stop ids) or "length" (the token budget)
 
 
 @dataclass(frozen=True)
@@ -245,10 +246,10 @@ class Engine:
 
     def _sample(self, sequences: list[Sequence], logits: Float[Tensor, "batch vocab"]) -> None:
         """Draw each sequence's next token from its row of logits, report it, and mark the sequence done at
-        end-of-text or at its budget. Rows with the same `SamplingOptions.distribution` get their
-        distributions computed together (one sort for all their rows' top-p), then each row draws with its own
-        generator, so a seed gives the same tokens whoever shares the batch; the token ids come back to Python
-        in one transfer."""
+        a stop id (end-of-text, a chat model's end of turn) or at its budget. Rows with the same
+        `SamplingOptions.distribution` get their distributions computed together (one sort for all their rows'
+        top-p), then each row draws with its own generator, so a seed gives the same tokens whoever shares the
+        batch; the token ids come back to Python in one transfer."""
         groups: dict[tuple, list[int]] = {}
         for row, sequence in enumerate(sequences):
             groups.setdefault(sequence.request.options.distribution, []).append(row)

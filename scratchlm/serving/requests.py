@@ -4,7 +4,11 @@ error shape `{"error": {"message", "type", "param", "code"}}` and a 4xx status.
 
 A completion's `prompt` takes OpenAI's four forms: a string, a list of strings, a list of token ids, or a list
 of such lists. Token ids matter to evaluation harnesses: text decoded from a window of ids that starts inside
-a multi-byte character re-encodes to other, often more, tokens, so only ids score exactly the tokens meant."""
+a multi-byte character re-encodes to other, often more, tokens, so only ids score exactly the tokens meant.
+
+A chat body is read as the completion of its conversation (`parse_chat_request`): the model's chat template
+makes the messages one prompt of token ids, and the sampling fields, `n`, the streaming fields and the limits
+are checked by the same functions as a completion's, so the two APIs cannot drift apart."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, check_messages
+from scratchlm.errors import ScratchlmError
 from scratchlm.generation.sampling import InvalidOption, SamplingOptions
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than a context of tokens
@@ -146,24 +152,31 @@ def check_model(body: dict, model_name: str) -> None:
         )
 
 
-def parse_completion_request(
-    body: Any, model_name: str, context_length: int, vocab_size: int
-) -> CompletionRequest:
-    """Check a /v1/completions body against the API and this server's limits (`APIError` on the first
-    problem)."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    check_model(body, model_name)
-    prompts = _prompts(body, vocab_size)
+def check_context(tokens: int, context_length: int, param: str, what: str) -> None:
+    """A prompt of `tokens` tokens fits the model's context (400 `context_length_exceeded` otherwise)."""
+    if tokens > context_length:
+        raise APIError(
+            400,
+            f"{what} has {tokens} tokens; this model's context is {context_length} tokens",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _sampling_options(
+    body: dict, context_length: int, max_tokens_field: str, default_max_tokens: int
+) -> SamplingOptions:
+    """The sampling fields of a completions or chat body as one `SamplingOptions`. The token budget is named
+    `max_tokens_field` in the messages (the chat API has two names for it)."""
     stop = _strings(body, "stop", required=False)
     if len(stop) > MAX_STOPS:
         raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
-    max_tokens = _typed(body, "max_tokens", int, 16, "an integer")  # OpenAI's default
+    max_tokens = _typed(body, max_tokens_field, int, default_max_tokens, "an integer")
     if not 0 <= max_tokens <= context_length:
         raise APIError(
             400,
-            f"'max_tokens' must be between 0 and the context length {context_length}, got {max_tokens}",
-            "max_tokens",
+            f"'{max_tokens_field}' must be between 0 and the context length {context_length}, got {max_tokens}",
+            max_tokens_field,
         )
     top_k = _typed(body, "top_k", int, None, "an integer")
     given = {
@@ -175,35 +188,131 @@ def parse_completion_request(
         "seed": _typed(body, "seed", int, None, "an integer"),
     }
     try:  # the fields left out (or null) take `SamplingOptions`'s defaults, which are OpenAI's
-        options = SamplingOptions(**{name: value for name, value in given.items() if value is not None})
+        return SamplingOptions(**{name: value for name, value in given.items() if value is not None})
     except InvalidOption as e:
-        field = _FIELDS.get(e.option, e.option)
+        field = max_tokens_field if e.option == "max_new_tokens" else e.option
         raise APIError(400, f"{field} {e.reason}", field) from None
+
+
+def _choices(body: dict, prompts: int) -> int:
+    """`n`, the completions per prompt, within `MAX_CHOICES` for the whole request."""
     n = _typed(body, "n", int, 1, "an integer")
-    if n < 1 or len(prompts) * n > MAX_CHOICES:
+    if n < 1 or prompts * n > MAX_CHOICES:
         raise APIError(
             400, f"'n' must be at least 1, with at most {MAX_CHOICES} completions in all (prompts × n)", "n"
         )
+    return n
+
+
+def _refuse(body: dict, defaults: dict[str, Any]) -> None:
+    """400 for a field this server does not implement, unless absent, null or the value that means "off"."""
+    for name, default in defaults.items():
+        if body.get(name) not in (None, default):
+            raise APIError(400, f"'{name}' is not supported by this server", name)
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """`stream`, and `stream_options.include_usage` (a last event with the usage)."""
+    stream_options = _typed(body, "stream_options", dict, {}, "an object")
+    stream = _typed(body, "stream", bool, False, "a boolean")
+    return stream, _typed(stream_options, "include_usage", bool, False, "a boolean")
+
+
+def _object(body: Any, model_name: str) -> dict:
+    """The body, which must be a JSON object naming this server's model (or none)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_model(body, model_name)
+    return body
+
+
+def parse_completion_request(
+    body: Any, model_name: str, context_length: int, vocab_size: int
+) -> CompletionRequest:
+    """Check a /v1/completions body against the API and this server's limits (`APIError` on the first
+    problem)."""
+    body = _object(body, model_name)
+    prompts = _prompts(body, vocab_size)
+    options = _sampling_options(body, context_length, "max_tokens", 16)  # OpenAI's default
+    n = _choices(body, len(prompts))
     logprobs = _typed(body, "logprobs", int, None, "an integer")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(
             400, f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}", "logprobs"
         )
-    stream_options = _typed(body, "stream_options", dict, {}, "an object")
-    for name, default in (("best_of", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
-        if body.get(name) not in (None, default):
-            raise APIError(400, f"'{name}' is not supported by this server", name)
+    stream, include_usage = _streaming(body)
+    _refuse(body, {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0})
     if body.get("logit_bias") or body.get("suffix"):
         raise APIError(400, "'logit_bias' and 'suffix' are not supported by this server")
     return CompletionRequest(
         prompts=prompts,
         options=options,
         n=n,
-        stream=_typed(body, "stream", bool, False, "a boolean"),
-        include_usage=_typed(stream_options, "include_usage", bool, False, "a boolean"),
+        stream=stream,
+        include_usage=include_usage,
         logprobs=logprobs,
         echo=_typed(body, "echo", bool, False, "a boolean"),
         tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False, "a boolean"),
+    )
+
+
+def _max_tokens_field(body: dict) -> str:
+    """Which of the chat API's two names of the token budget the body uses: `max_completion_tokens` (OpenAI's
+    current one) or `max_tokens` (the older one, which most clients still send)."""
+    given = [name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
+    if len(given) == 2 and body["max_completion_tokens"] != body["max_tokens"]:
+        raise APIError(
+            400,
+            "'max_tokens' and 'max_completion_tokens' are the same limit and differ here; give one",
+            "max_completion_tokens",
+        )
+    return given[0] if given else "max_completion_tokens"
+
+
+def parse_chat_request(
+    body: Any, model_name: str, context_length: int, template: ChatTemplate | JinjaChatTemplate
+) -> CompletionRequest:
+    """Check a /v1/chat/completions body, and make it the completion of its templated conversation: the
+    template's token ids (ending with the assistant's generation prompt) are the one prompt, and every other
+    field means what it means to a completion. Without a token budget a reply may fill the rest of the
+    context (OpenAI's default for chat)."""
+    body = _object(body, model_name)
+    try:
+        messages = check_messages(body.get("messages"))
+        ids = template.encode(messages, add_generation_prompt=True)
+    except ScratchlmError as e:
+        raise APIError(400, str(e), "messages") from None
+    check_context(len(ids), context_length, "messages", "the conversation (with the chat template)")
+    options = _sampling_options(body, context_length, _max_tokens_field(body), context_length)
+    n = _choices(body, 1)
+    stream, include_usage = _streaming(body)
+    _refuse(
+        body,
+        {
+            "frequency_penalty": 0,
+            "presence_penalty": 0,
+            "logprobs": False,
+            "top_logprobs": 0,
+            "tools": [],
+            "tool_choice": "none",
+            "functions": [],
+            "function_call": "none",
+        },
+    )
+    if body.get("logit_bias"):
+        raise APIError(400, "'logit_bias' is not supported by this server", "logit_bias")
+    response_format = _typed(body, "response_format", dict, {"type": "text"}, "an object")
+    if response_format.get("type") != "text":
+        raise APIError(400, "'response_format' can only be text on this server", "response_format")
+    return CompletionRequest(
+        prompts=[ids],
+        options=options,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=None,
+        echo=False,
+        tokens_as_ids=False,
     )
 
 
@@ -215,9 +324,7 @@ class TokenizeRequest:
 
 def parse_tokenize_request(body: Any, model_name: str) -> TokenizeRequest:
     """A /tokenize body, `{"prompt", "add_special_tokens"}` as vLLM takes it."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    check_model(body, model_name)
+    body = _object(body, model_name)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise APIError(400, "'prompt' is required and must be a string", "prompt")
@@ -226,9 +333,7 @@ def parse_tokenize_request(body: Any, model_name: str) -> TokenizeRequest:
 
 def parse_detokenize_request(body: Any, model_name: str, vocab_size: int) -> list[int]:
     """The token ids of a /detokenize body, `{"tokens"}` as vLLM takes it."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    check_model(body, model_name)
+    body = _object(body, model_name)
     if body.get("tokens") == []:
         return []
     return token_ids(body.get("tokens"), "tokens", vocab_size)

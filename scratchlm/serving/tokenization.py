@@ -9,7 +9,9 @@ model's tokens and sends its prompts as token ids.
 
 Special tokens written in the text (`<|endoftext|>`) are encoded as themselves, as in every tokenizer these
 clients know: a harness finds the end-of-text id by tokenizing `eos_token`. A base model's tokenizer has no
-begin-of-text token, so `add_special_tokens` changes nothing.
+begin-of-text token, so `add_special_tokens` changes nothing. `chat_template` is a chat model's template, its
+Jinja source as transformers reads it (a harness can render the conversations itself and send text); null for
+a base model.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def tokenizer_routes(tokenizer: Tokenizer, model_name: str, context_length: int)
                 "model_max_length": context_length,
                 "vocab_size": tokenizer.vocab_size,
                 "special_tokens": tokenizer.special_tokens,
-                "chat_template": None,
+                "chat_template": tokenizer.chat_template,
             }
         )
 

@@ -12,6 +12,8 @@
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
+    [sft]         base, train, valid, valid_fraction: supervised fine-tuning on conversations
+                  (scratchlm.chat.sft), which replaces [data]
 
 Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`,
 the value read as a TOML literal, or as a plain string when it is not one: `training.device=cuda`) is checked
@@ -93,6 +95,14 @@ class LoggingConfig:
     peak_tflops: float = 0.0  # accelerator peak for the MFU estimate; 0: look it up for known GPUs
 
 
+@dataclass(frozen=True)
+class SFTConfig:
+    base: str = ""  # the run (or checkpoint) fine-tuned: one of train or import-hf
+    train: str = ""  # conversations, JSONL in OpenAI's messages format; set: a fine-tuning run
+    valid: str = ""  # held-out conversations; "": the last valid_fraction of train's
+    valid_fraction: float = 0.05
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -102,6 +112,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "sft": SFTConfig,
 }
 
 
@@ -115,16 +126,24 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-        """Defaults, then the TOML file at `path` (if any), then the `section.key=value` overrides."""
-        values: dict[str, dict[str, Any]] = {}
+    def load(
+        cls,
+        path: str | Path | None = None,
+        overrides: list[str] | tuple[str, ...] = (),
+        defaults: dict[str, dict[str, Any]] | None = None,
+    ) -> TrainConfig:
+        """Defaults (the dataclasses', then `defaults`: a command's own, such as fine-tuning's), then the TOML
+        file at `path` (if any), then the `section.key=value` overrides."""
+        values: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (defaults or {}).items()}
         source = "config"
         if path is not None:
             path = Path(path)
             source = str(path)
-            values = read_toml(path)
+            for section, settings in read_toml(path).items():
+                values[section] = values.get(section, {}) | settings if isinstance(settings, dict) else settings
         for override in overrides:
             section, key, value = parse_override(override)
             _build_section(section, SECTIONS.get(section), {key: value}, f"--set {override}", construct=False)
@@ -153,9 +172,17 @@ class TrainConfig:
     def _check(self, source: str) -> None:
         """Checks across keys (types are checked when reading)."""
         t = self.training
-        for key in ("train", "valid"):
-            if not getattr(self.data, key):
-                raise ScratchlmError(f"{source}: data.{key} is required (a .npy file of token ids)")
+        if self.sft.train:
+            if not self.sft.base:
+                raise ScratchlmError(f"{source}: sft.base is required (the run to fine-tune)")
+            if not 0 < self.sft.valid_fraction < 1:
+                raise ScratchlmError(
+                    f"{source}: sft.valid_fraction must lie in (0, 1), got {self.sft.valid_fraction!r}"
+                )
+        else:
+            for key in ("train", "valid"):
+                if not getattr(self.data, key):
+                    raise ScratchlmError(f"{source}: data.{key} is required (a .npy file of token ids)")
         positive = {
             "training.batch_size": t.batch_size,
             "training.grad_accum": t.grad_accum,

@@ -1,17 +1,17 @@
-"""What a training run reads: its token files and its tokenizer, checked before anything is written."""
+"""What a training run reads: its token files (or, fine-tuning, its conversations) and its tokenizer, checked
+before anything is written."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from scratchlm.data.tokens import load_tokens
+from scratchlm.data.tokens import TokenWindows, load_tokens
 from scratchlm.errors import ScratchlmError
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import check_pair
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.config import TrainConfig
+from scratchlm.training.step import Batches
 
 
 @dataclass(frozen=True)
@@ -20,16 +20,27 @@ class TrainingData:
     vocabulary) and the tokenizer of `data.tokenizer`, if set, checked against the model and against the copy
     in the run directory, which a resumed run must not change."""
 
-    train: np.ndarray
-    valid: np.ndarray
+    train: Batches
+    valid: Batches
     tokenizer: Tokenizer | None
 
 
 def load_training_data(config: TrainConfig, run_dir: RunDirectory) -> TrainingData:
+    """Token windows of `[data]`, or, for fine-tuning (`[sft]`), the conversations of `sft.train`."""
+    if config.sft.train:
+        from scratchlm.chat.sft import load_conversations
+
+        train, valid, tokenizer = load_conversations(config)
+        _check_run_copy(tokenizer, f"the chat tokenizer of sft.base {config.sft.base}", run_dir)
+        return TrainingData(train, valid, tokenizer)
     m = config.model
     train_tokens = load_tokens(config.data.train, m.vocab_size, m.context_length)
     valid_tokens = load_tokens(config.data.valid, m.vocab_size, m.context_length)
-    return TrainingData(train_tokens, valid_tokens, _load_tokenizer(config, run_dir))
+    return TrainingData(
+        TokenWindows(train_tokens, m.context_length),
+        TokenWindows(valid_tokens, m.context_length),
+        _load_tokenizer(config, run_dir),
+    )
 
 
 def _load_tokenizer(config: TrainConfig, run_dir: RunDirectory) -> Tokenizer | None:
@@ -37,10 +48,14 @@ def _load_tokenizer(config: TrainConfig, run_dir: RunDirectory) -> Tokenizer | N
         return None
     tokenizer = Tokenizer.from_dir(config.data.tokenizer)
     check_pair(config.model, tokenizer, None, f"data.tokenizer {config.data.tokenizer}", "[model]")
+    _check_run_copy(tokenizer, f"data.tokenizer {config.data.tokenizer}", run_dir)
+    return tokenizer
+
+
+def _check_run_copy(tokenizer: Tokenizer, name: str, run_dir: RunDirectory) -> None:
+    """A resumed run must not change its tokenizer."""
     copy = run_dir.tokenizer_dir
     if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
         raise ScratchlmError(
-            f"data.tokenizer {config.data.tokenizer} is not the tokenizer this run was trained with "
-            f"({copy}); use another logging.run_dir"
+            f"{name} is not the tokenizer this run was trained with ({copy}); use another logging.run_dir"
         )
-    return tokenizer

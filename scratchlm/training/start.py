@@ -9,6 +9,7 @@ config it trained with, beyond `CHANGEABLE_ON_RESUME`, unless `--allow-config-ch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,23 +99,28 @@ def start_from_weights(
 ) -> None:
     """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
     continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
-    and its tokenizer, when both are known, the one of `data.tokenizer`."""
+    and its tokenizer, when both are known, the one of `data.tokenizer`. Fine-tuning to chat (`[sft]`) may
+    have added the chat template's tokens: the rows for them are added too (`grow_vocabulary`)."""
     path, _ = find_checkpoint(config.training.init_from)
     checkpoint = Checkpoint.read(path)
+    base_vocab = checkpoint.model_config.vocab_size
+    grows = bool(config.sft.train) and base_vocab < config.model.vocab_size
     differing = [
         f"{key} = {ours!r}, theirs {theirs!r}"
         for key, theirs, ours in config_differences(
             {"model": checkpoint.model_config.to_dict()},
             {"model": config.model.to_dict()},
             sections=("model",),
-            changeable={f"model.{name}" for name in COMPUTATION_FIELDS},
+            changeable={f"model.{name}" for name in COMPUTATION_FIELDS}
+            | ({"model.vocab_size"} if grows else set()),
         )
     ]
     if differing:
         raise ScratchlmError(
             f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
         )
-    if tokenizer is not None:
+    # A fine-tuning run's tokenizer is the base's with the chat tokens, checked against the base when loaded.
+    if tokenizer is not None and not config.sft.train:
         try:
             check_pair(config.model, tokenizer, checkpoint.tokenizer_fingerprint)
         except ScratchlmError:
@@ -122,9 +128,34 @@ def start_from_weights(
                 f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
                 f"({config.data.tokenizer})"
             ) from None
+    if grows:
+        checkpoint = dataclasses.replace(
+            checkpoint, model=grow_vocabulary(checkpoint.model, config.model.vocab_size)
+        )
     checkpoint.load_into(model)
     if dist.is_main:
         console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
+        if grows:
+            console.print(
+                f"  the vocabulary grows from {base_vocab} to {config.model.vocab_size} rows for the chat "
+                "tokens, each new row the mean of the existing ones"
+            )
+
+
+def grow_vocabulary(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """`state` with every table indexed by token id (the embedding, an untied LM head, value embeddings)
+    grown to `vocab_size` rows. A new row is the mean of the existing rows: a token the model has never
+    seen starts as the average token, neither an outlier in the residual stream nor a logit far from the
+    others."""
+    grown = dict(state)
+    for name, tensor in state.items():
+        by_token = name in ("token_embeddings.weight", "lm_head.weight") or name.startswith(
+            "value_embeddings."
+        )
+        if by_token and tensor.shape[0] < vocab_size:
+            mean = tensor.float().mean(dim=0, keepdim=True).to(tensor.dtype)
+            grown[name] = torch.cat([tensor, mean.expand(vocab_size - tensor.shape[0], -1)])
+    return grown
 
 
 def _newest_intact_checkpoint(

@@ -3,8 +3,10 @@
 At step number t (1-based):
 
     lr ← schedule(t)   (sized by the time budget when there is one)
-    draw `batch_size` windows of the training tokens (the global batch; this process takes its slice)
-    for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) / grad_accum;  backward
+    draw `batch_size` windows of the training tokens, or conversations when fine-tuning (the global batch;
+    this process takes its slice)
+    for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) × its share of the
+        batch's counted targets (1 / grad_accum for windows);  backward
     clip the gradients to norm `grad_clip`;  optimizer step;  zero the gradients
 
 Every process draws the same window positions from the same generator and keeps its own slice, so the data a
@@ -23,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from scratchlm.data.tokens import gather_batch, sample_starts
+from scratchlm.chat.conversations import ConversationBatches
+from scratchlm.data.tokens import TokenWindows
 from scratchlm.device import Plan
 from scratchlm.errors import DivergedError
 from scratchlm.model.loss import cross_entropy
@@ -35,6 +38,8 @@ from scratchlm.training.config import TrainConfig
 from scratchlm.training.distributed import Distributed, all_reduce
 from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss_scale import LossScaler
+
+Batches = TokenWindows | ConversationBatches  # pretraining windows, or fine-tuning conversations
 
 EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
 
@@ -69,7 +74,7 @@ class TrainStep:
         self,
         step: int,
         budget: TimeBudget,
-        tokens: np.ndarray,
+        batches: Batches,
         generator: np.random.Generator,
         run: RunDirectory,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -80,13 +85,18 @@ class TrainStep:
         lr = budget.schedule(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_scale"]
-        starts = sample_starts(len(tokens), t.batch_size, self.context, generator)
+        drawn = batches.draw(t.batch_size, generator)
         per_process = t.batch_size // self.dist.world_size
-        mine = starts[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
+        mine = drawn[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
+        # The loss is the mean over every counted target of the global batch: each micro-batch's mean is
+        # weighted by its share of them (1 / grad_accum for windows, where every target counts), times the
+        # processes, whose gradients DDP averages.
+        total = batches.counted(drawn)
         loss_sum = torch.zeros((), device=self.device)
         for k in range(t.grad_accum):
             batch = mine[k * self.micro_batch : (k + 1) * self.micro_batch]
-            inputs, targets = gather_batch(tokens, batch, self.context, self.device)
+            divisor = total / (batches.counted(batch) * self.dist.world_size)
+            inputs, targets = batches.gather(batch, self.device)
             # Gradients are averaged across processes once per step, on the last micro-batch's backward.
             last = k == t.grad_accum - 1
             no_sync = (
@@ -94,10 +104,11 @@ class TrainStep:
             )
             with no_sync:
                 with self.autocast:
-                    if self.fused_loss:
-                        loss = self.train_model(inputs, targets=targets) / t.grad_accum
+                    if self.fused_loss and batches.ignore_index is None:
+                        loss = self.train_model(inputs, targets=targets) / divisor
                     else:
-                        loss = cross_entropy(self.train_model(inputs), targets) / t.grad_accum
+                        logits = self.train_model(inputs)
+                        loss = cross_entropy(logits, targets, batches.ignore_index) / divisor
                 self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.model.parameters())
@@ -133,19 +144,21 @@ class TrainStep:
         return Checkpoint.of(self.model, step, optimizer=self.optimizer.state_dict(), training=training)
 
     @torch.no_grad()
-    def validation_loss(self, tokens: np.ndarray) -> float:
-        """Mean loss over `eval.iters` fixed batches of validation windows. Each process takes its share of
-        every batch and runs it in chunks of the training micro-batch (which fits in memory)."""
+    def validation_loss(self, batches: Batches) -> float:
+        """Mean loss over the counted targets of the validation batches (`eval.iters` of them, the same ones
+        every time). Each process takes its share of every batch and runs it in chunks of the training
+        micro-batch (which fits in memory)."""
         self.model.eval()
-        generator = np.random.default_rng(self.config.training.seed + EVAL_SEED_OFFSET)
-        total = torch.zeros((), device=self.device)
-        for _ in range(self.config.eval.iters):
-            starts = sample_starts(len(tokens), self.eval_batch, self.context, generator)
-            mine = np.array_split(starts, self.dist.world_size)[self.dist.rank]
+        seed = self.config.training.seed + EVAL_SEED_OFFSET
+        total, counted = torch.zeros((), device=self.device), 0
+        for indices in batches.validation_batches(self.config.eval.iters, self.eval_batch, seed):
+            counted += batches.counted(indices)
+            mine = np.array_split(indices, self.dist.world_size)[self.dist.rank]
             for chunk in np.array_split(mine, max(1, math.ceil(len(mine) / self.micro_batch))):
                 if len(chunk):
-                    inputs, targets = gather_batch(tokens, chunk, self.context, self.device)
+                    inputs, targets = batches.gather(chunk, self.device)
                     with self.autocast:
-                        total += cross_entropy(self.forward_model(inputs), targets) * len(chunk)
+                        loss = cross_entropy(self.forward_model(inputs), targets, batches.ignore_index)
+                    total += loss * batches.counted(chunk)
         self.model.train()
-        return all_reduce(total, "sum").item() / (self.config.eval.iters * self.eval_batch)
+        return all_reduce(total, "sum").item() / counted

@@ -1,0 +1,114 @@
+"""Supervised fine-tuning: a base run taught to chat on conversations, with the training loop underneath.
+
+    base run (train or import-hf) + conversations (JSONL)
+      -> the base's tokenizer with the chat template (and its special tokens, if it lacked them)
+      -> the base's model, its vocabulary grown by those tokens' rows (`training.start.grow_vocabulary`)
+      -> `train`, its batches conversations instead of windows of tokens, its loss counting the assistant's
+         tokens only (`scratchlm.chat.conversations`)
+
+A fine-tuning run is a training run whose config has an `[sft]` section: the same run directory, metrics,
+plots, checkpoints, time budget and resume. Its `[model]` is the base's, filled in here (a config that sets
+one is refused), and `training.init_from` is the base. `SFT_DEFAULTS` are the settings that differ from
+pretraining's; the config file and `--set` override them. The run's tokenizer carries the template
+(`RUN/tokenizer/chat_template.jinja`), which is how the run records that it is a chat model, and which
+template it speaks, for `scratchlm chat`, `serve` and the exports.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from scratchlm.chat.conversations import ConversationBatches, encode_conversations, read_conversations
+from scratchlm.chat.template import ChatTemplate, with_chat_tokens
+from scratchlm.console import console
+from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import ModelConfig
+from scratchlm.run.load import load_trained
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training.config import TrainConfig, read_toml
+
+# What fine-tuning changes from pretraining's defaults. AdamW over every parameter whatever recipe trained
+# the base (a base of the fast recipe has no Muon state to continue), at a lower rate than pretraining, and
+# no weight decay: a few thousand steps should move the base towards the format, not forget what it knows.
+SFT_DEFAULTS: dict[str, dict] = {
+    "optimizer": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "weight_decay": 0.0, "grad_clip": 1.0},
+    "schedule": {"kind": "cosine", "warmup_iters": 20},
+    "training": {"batch_size": 32, "max_steps": 1000},
+    "eval": {"interval": 100, "iters": 8},
+    "checkpoint": {"interval": 200},
+    "logging": {"run_dir": "runs/sft", "log_interval": 10},
+}
+
+VALID_SPLIT_SEED = 0  # the held-out conversations of a file without a valid file: the same ones every time
+
+
+def sft_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> TrainConfig:
+    """The fine-tuning config: `SFT_DEFAULTS`, the file at `path`, the `overrides`, then the base's model
+    (its vocabulary grown for the chat tokens) and `training.init_from = sft.base`."""
+    if path is not None and "model" in read_toml(Path(path)):
+        raise ScratchlmError(f"{path}: a fine-tuning config has no [model]: the model is sft.base's")
+    if any(o.strip().startswith("model.") for o in overrides):
+        raise ScratchlmError("--set model.*: a fine-tuning run's model is sft.base's")
+    config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS)
+    if not config.sft.train:
+        raise ScratchlmError("sft.train is required: the conversations to fine-tune on (JSONL)")
+    base_model, tokenizer, _ = _base(config.sft.base)
+    values = config.to_dict()
+    values["model"] = base_model.to_dict() | {"vocab_size": max(base_model.vocab_size, tokenizer.vocab_size)}
+    values["training"]["init_from"] = config.sft.base
+    return TrainConfig.from_dict(values, str(path) if path is not None else "sft config")
+
+
+def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str]]:
+    """The base's model config, its tokenizer with the chat template, and the special tokens added to it."""
+    trained = load_trained(base, "cpu")
+    if trained.tokenizer is None:
+        raise ScratchlmError(
+            f"sft.base {base} has no tokenizer (none in the run directory or its config): the conversations "
+            "cannot be encoded"
+        )
+    tokenizer, added = with_chat_tokens(trained.tokenizer)
+    return trained.model.config, tokenizer, added
+
+
+def load_conversations(config: TrainConfig) -> tuple[ConversationBatches, ConversationBatches, Tokenizer]:
+    """The training and held-out conversations of `[sft]`, encoded with the chat template, and the tokenizer
+    that carries it. Conversations cut or skipped for their length are reported."""
+    s, context = config.sft, config.model.context_length
+    train = read_conversations(s.train)
+    if s.valid:
+        valid = read_conversations(s.valid)
+    else:
+        if len(train) < 2:
+            raise ScratchlmError(f"{s.train}: one conversation cannot be split into training and validation")
+        order = np.random.default_rng(VALID_SPLIT_SEED).permutation(len(train))
+        held_out = set(order[: max(1, math.ceil(len(train) * s.valid_fraction))].tolist())
+        valid = [c for i, c in enumerate(train) if i in held_out]
+        train = [c for i, c in enumerate(train) if i not in held_out]
+    _, tokenizer, added = _base(s.base)
+    if added:
+        console.print(f"the base's tokenizer lacks {', '.join(added)}: added for the chat template")
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ScratchlmError(
+            f"the chat tokenizer has {tokenizer.vocab_size} tokens, more than [model]'s {config.model.vocab_size}"
+        )
+    template = ChatTemplate(tokenizer)
+    batches = []
+    for name, conversations in (("training", train), ("validation", valid)):
+        encoded = encode_conversations(conversations, template, context)
+        kept = len(encoded)
+        line = f"{name}: {kept:,} conversations, {int(encoded.counted.sum()):,} assistant tokens"
+        if encoded.cut or encoded.skipped:
+            line += (
+                f"; longer than the context ({context} tokens): {encoded.cut} cut after their last whole "
+                f"assistant turn, {encoded.skipped} skipped"
+            )
+        console.print(line)
+        batches.append(ConversationBatches(encoded))
+    return batches[0], batches[1], tokenizer

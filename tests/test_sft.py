@@ -1,0 +1,145 @@
+"""Supervised fine-tuning of a base run (scratchlm.chat.sft, `scratchlm sft`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scratchlm.chat.conversations import write_conversations
+from scratchlm.chat.tasks import build_tasks
+from scratchlm.chat.template import JINJA, ChatTemplate, chat_template
+from scratchlm.errors import ScratchlmError
+from scratchlm.run.load import load_trained
+from scratchlm.tokenizer import CHAT_TOKENS
+from scratchlm.training.start import grow_vocabulary
+from scratchlm.training.trainer import train
+from tests.helpers import assert_same_state
+from tests.serve_helpers import tiny_run
+
+BASE_CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def base_and_data(tmp_path_factory):
+    """A tiny base run whose tokenizer lacks the chat tokens, and built-in conversations."""
+    root = tmp_path_factory.mktemp("sft")
+    base = tiny_run(root / "base", context=BASE_CONTEXT, seed=0)
+    train_set, test_set = build_tasks(300, 20, seed=1)
+    write_conversations(root / "train.jsonl", train_set)
+    write_conversations(root / "valid.jsonl", test_set)
+    return root, base
+
+
+def config_for(root, base, run: str, *extra: str, steps: int = 12, grad_accum: int = 1):
+    from scratchlm.chat.sft import sft_config
+
+    overrides = [
+        f"sft.base={json.dumps(str(base))}",
+        f"sft.train={json.dumps(str(root / 'train.jsonl'))}",
+        f"sft.valid={json.dumps(str(root / 'valid.jsonl'))}",
+        f"logging.run_dir={json.dumps(str(root / run))}",
+        "training.device='cpu'",
+        "training.precision='fp32'",
+        "training.batch_size=8",
+        f"training.grad_accum={grad_accum}",
+        f"training.max_steps={steps}",
+        "schedule.cosine_cycle_iters=12",
+        "eval.interval=4",
+        "eval.iters=2",
+        "checkpoint.interval=4",
+        "logging.log_interval=1",
+        *extra,
+    ]
+    return sft_config(None, overrides)
+
+
+def final_state(run_dir) -> dict:
+    return torch.load(sorted((run_dir / "checkpoints").iterdir())[-1], weights_only=True)
+
+
+def test_a_base_run_is_fine_tuned_into_a_chat_model(base_and_data):
+    root, base = base_and_data
+    base_model = load_trained(base).model
+    config = config_for(root, base, "chat")
+    assert config.model.vocab_size == base_model.config.vocab_size + len(CHAT_TOKENS)
+    summary = train(config)
+    assert summary.steps == 12 and summary.final_val_loss is not None
+    trained = load_trained(root / "chat")
+    assert trained.tokenizer.chat_template == JINJA
+    assert isinstance(chat_template(trained.tokenizer), ChatTemplate)
+    assert (root / "chat" / "tokenizer" / "chat_template.jinja").read_text() == JINJA
+    assert "[sft]" in (root / "chat" / "config.toml").read_text()
+    losses = [json.loads(line) for line in (root / "chat" / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["train_loss"] for r in losses if "train_loss" in r]
+    assert len(train_losses) == 12 and train_losses[-1] < train_losses[0]
+
+
+def test_new_token_rows_start_as_the_mean_and_the_others_are_kept():
+    torch.manual_seed(0)
+    state = {
+        "token_embeddings.weight": torch.randn(5, 3),
+        "lm_head.weight": torch.randn(5, 3),
+        "value_embeddings.0.weight": torch.randn(5, 2),
+        "layers.0.attn.q_proj.weight": torch.randn(5, 5),  # 5 rows by chance: not a table of tokens
+    }
+    grown = grow_vocabulary(state, 7)
+    for name in ("token_embeddings.weight", "lm_head.weight", "value_embeddings.0.weight"):
+        assert grown[name].shape[0] == 7
+        assert torch.equal(grown[name][:5], state[name])
+        for row in (5, 6):
+            torch.testing.assert_close(grown[name][row], state[name].mean(dim=0))
+    assert torch.equal(grown["layers.0.attn.q_proj.weight"], state["layers.0.attn.q_proj.weight"])
+
+
+def test_fine_tuning_resumes_bit_for_bit(base_and_data):
+    root, base = base_and_data
+    train(config_for(root, base, "straight"))
+    train(config_for(root, base, "resumed", steps=6))
+    train(config_for(root, base, "resumed"), resume=True)
+    assert_same_state(final_state(root / "straight"), final_state(root / "resumed"))
+
+
+def test_micro_batches_weigh_each_assistant_token_alike(base_and_data):
+    """The loss is the mean over the counted tokens of the whole batch, however it is split into
+    micro-batches (which hold different numbers of them): two micro-batches give the one-batch run."""
+    root, base = base_and_data
+    train(config_for(root, base, "one", steps=3))
+    train(config_for(root, base, "two", steps=3, grad_accum=2))
+    one, two = final_state(root / "one")["model"], final_state(root / "two")["model"]
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_config_may_not_set_the_model(base_and_data, tmp_path):
+    root, base = base_and_data
+    from scratchlm.chat.sft import sft_config
+
+    config_file = tmp_path / "sft.toml"
+    config_file.write_text(f'[sft]\nbase = "{base}"\ntrain = "{root / "train.jsonl"}"\n[model]\nd_model = 64\n')
+    with pytest.raises(ScratchlmError, match="a fine-tuning config has no \\[model\\]"):
+        sft_config(config_file)
+    with pytest.raises(ScratchlmError, match="sft.base is required"):
+        sft_config(None, [f"sft.train={json.dumps(str(root / 'train.jsonl'))}"])
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scratchlm", *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+
+
+def test_the_command_reports_a_bad_line_in_one_line(base_and_data, tmp_path):
+    root, base = base_and_data
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   '{"messages": [{"role": "robot", "content": "beep"}]}\n')  # fmt: skip
+    result = run_cli("sft", "--base", str(base), "--data", str(bad), "--out", str(tmp_path / "run"))
+    assert result.returncode == 2
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1 and f"{bad}:2: message 1 has an unknown role 'robot'" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
