@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from rich.text import Text
 
+from scratchlm.chat.pipeline import CHAT_FULL, CHAT_SMALL, ChatResult, chat_stages
 from scratchlm.console import console, format_seconds
 from scratchlm.data.corpus import build_corpus, build_text_corpus
 from scratchlm.data.prepare import PreparedData, prepare_data
@@ -194,6 +195,7 @@ class QuickstartResult:
     val_perplexity: float
     unigram_entropy: float
     wall_seconds: float
+    chat: ChatResult | None = None  # with --chat
 
 
 def load_for_inference(run_dir: Path, device: str, tokenizer: Path) -> TrainedModel:
@@ -211,11 +213,16 @@ def quickstart(
     device: str = "auto",
     recipe: str = DEFAULT_RECIPE,
     text: list[str | Path] | None = None,
+    chat_minutes: float | None = None,
 ) -> QuickstartResult:
     """Build the corpus (the standard library's sources, or the files and directories of `text`), tokenizer
-    and token files, train for `minutes` with `recipe`, evaluate, sample and plot."""
+    and token files, train for `minutes` with `recipe`, evaluate, sample and plot; with `chat_minutes`, then
+    fine-tune the model to chat for that long on the built-in conversations (`scratchlm.chat.pipeline`)."""
     if not minutes > 0:
         raise ScratchlmError(f"--minutes must be positive, got {minutes}")
+    if chat_minutes is not None and not chat_minutes > 0:
+        raise ScratchlmError(f"--chat-minutes must be positive, got {chat_minutes}")
+    stage = Stages(6 if chat_minutes is None else 9)
     if recipe not in RECIPES:
         raise ScratchlmError(f"--recipe must be one of {', '.join(RECIPES)}; got {recipe!r}")
     device = str(resolve_device(device))
@@ -223,17 +230,17 @@ def quickstart(
     size = SMALL if small else FULL
     out_dir = claim_output_dir(out_dir, QUICKSTART_KIND, text or ())
 
-    data = build_data(out_dir, size, text)
+    data = build_data(out_dir, size, text, stage)
     train_ids, valid_ids = np.load(data.train, mmap_mode="r"), np.load(data.valid, mmap_mode="r")
     console.print(f"train {len(train_ids):,} tokens, valid {len(valid_ids):,} tokens")
 
-    _stage(3, f"training (at most {format_seconds(minutes * 60)})")
+    stage(f"training (at most {format_seconds(minutes * 60)})")
     run_dir = out_dir / "run"
     summary = train_within_budget(
         size, data, run_dir, minutes * 60, device, out_dir / "schedule.json", recipe
     )
 
-    _stage(4, "validation loss on the whole validation file")
+    stage("validation loss on the whole validation file")
     trained = load_for_inference(run_dir, device, data.tokenizer)
     result = evaluate(trained.model, valid_ids, show_progress=True)
     entropy = unigram_entropy(valid_ids)
@@ -241,14 +248,19 @@ def quickstart(
         f"loss {result.loss:.4f} nats/token (perplexity {result.perplexity:.1f}); unigram entropy {entropy:.4f}"
     )
 
-    _stage(5, "samples (temperature 0.8, top-p 0.95)")
+    stage("samples (temperature 0.8, top-p 0.95)")
     prompts = PROMPTS if text is None else text_prompts(out_dir / "corpus" / "valid.txt")
     print_samples(trained, prompts, size.sample_tokens, device)
 
-    _stage(6, "loss curve")
+    stage("loss curve")
     loss_curve = out_dir / "loss.png"
     plot_runs([run_dir], loss_curve, labels=["quickstart"])
     console.print(f"wrote {loss_curve}")
+
+    chat = None
+    if chat_minutes is not None:
+        chat_size = CHAT_SMALL if small else CHAT_FULL
+        chat = chat_stages(run_dir, out_dir, chat_minutes * 60, device, chat_size, stage)
 
     quick = QuickstartResult(
         out_dir=str(out_dir),
@@ -265,6 +277,7 @@ def quickstart(
         val_perplexity=result.perplexity,
         unigram_entropy=entropy,
         wall_seconds=time.perf_counter() - started,
+        chat=chat,
     )
     with atomic_write(out_dir / "quickstart.json", "w") as f:
         json.dump(asdict(quick), f, indent=2)
@@ -304,10 +317,13 @@ def print_samples(trained: TrainedModel, prompts: Sequence[str], tokens: int, de
 QUICKSTART_KIND = "quickstart"  # the output marker of its directory (scratchlm.io)
 
 
-def build_data(out_dir: Path, size: QuickstartSize, text: list[str | Path] | None = None) -> PreparedData:
+def build_data(
+    out_dir: Path, size: QuickstartSize, text: list[str | Path] | None = None, stage: Stages | None = None
+) -> PreparedData:
     """Stages 1 and 2: the corpus in `out_dir/corpus` (the standard library's sources, or the user's `text`
     files and directories), the tokenizer and token ids in `out_dir/data`."""
-    _stage(1, "corpus: " + ("the Python standard library's sources" if text is None else "your text"))
+    stage = stage or Stages(6)
+    stage("corpus: " + ("the Python standard library's sources" if text is None else "your text"))
     corpus_dir = out_dir / "corpus"
     train_text, valid_text = corpus_dir / "train.txt", corpus_dir / "valid.txt"
     # Where the corpus came from, so that a directory built from one source is never reused for another.
@@ -335,7 +351,7 @@ def build_data(out_dir: Path, size: QuickstartSize, text: list[str | Path] | Non
         f"train {train_text.stat().st_size / 1e6:.1f} MB, valid {valid_text.stat().st_size / 1e6:.2f} MB "
         f"(files joined by {END_OF_TEXT})"
     )
-    _stage(2, f"tokenizer ({size.vocab_size:,} tokens) and token ids")
+    stage(f"tokenizer ({size.vocab_size:,} tokens) and token ids")
     return prepare_data(train_text, valid_text, out_dir / "data", size.vocab_size)
 
 
@@ -382,8 +398,15 @@ def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
         )
 
 
-def _stage(number: int, title: str) -> None:
-    console.rule(Text(f"{number}/6  {title}", style="bold"), align="left")
+class Stages:
+    """Announces each stage in turn: a rule reading "3/6  training ..."."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.started = total, 0
+
+    def __call__(self, title: str) -> None:
+        self.started += 1
+        console.rule(Text(f"{self.started}/{self.total}  {title}", style="bold"), align="left")
 
 
 def _print_summary(result: QuickstartResult) -> None:
@@ -400,8 +423,21 @@ def _print_summary(result: QuickstartResult) -> None:
         ),
         ("validation loss", f"{result.val_loss:.4f} nats/token (perplexity {result.val_perplexity:.2f})"),
         ("unigram entropy", f"{result.unigram_entropy:.4f} nats/token (a model that ignores context)"),
-        ("total time", format_seconds(result.wall_seconds)),
     ]
+    if (chat := result.chat) is not None:
+        rows += [
+            (
+                "chat model",
+                f"{chat.run_dir} ({chat.steps:,} steps in {format_seconds(chat.training_seconds)})",
+            ),
+            (
+                "exact match",
+                f"{chat.exact_match_after:.1%} after fine-tuning, {chat.exact_match_before:.1%} before "
+                f"({chat.test_conversations} held-out conversations)",
+            ),
+            ("assistant loss", f"{chat.loss_after:.4f} nats/token after, {chat.loss_before:.4f} before"),
+        ]
+    rows.append(("total time", format_seconds(result.wall_seconds)))
     console.rule(Text("summary", style="bold"), align="left")
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from interop_helpers import small_tokenizer
 
 from scratchlm.chat.conversations import (
     ConversationBatches,
@@ -22,7 +23,6 @@ from scratchlm.model.loss import IGNORE, cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.tokenizer import ASSISTANT, CHAT_TOKENS, END_OF_TEXT, END_OF_TURN, SYSTEM, USER
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from tests.interop_helpers import small_tokenizer
 
 CONVERSATION = [
     Message("system", "Be brief."),
@@ -113,7 +113,9 @@ def test_loss_and_gradients_ignore_what_the_prompt_targets_are(tokenizer):
                                       num_layers=2, num_heads=4))  # fmt: skip
     results = []
     for seed in (1, 2):
-        noise = torch.randint(0, tokenizer.vocab_size, targets.shape, generator=torch.Generator().manual_seed(seed))
+        noise = torch.randint(
+            0, tokenizer.vocab_size, targets.shape, generator=torch.Generator().manual_seed(seed)
+        )
         varied = torch.where(targets == IGNORE, noise, targets)
         masked = torch.where(targets == IGNORE, IGNORE, varied)
         model.zero_grad()

@@ -11,6 +11,7 @@ from helpers import fixture_path
 
 from scratchlm import train_bpe
 from scratchlm.cli import main
+from scratchlm.tokenizer import CHAT_TOKENS
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 
 EOT = "<|endoftext|>"
@@ -32,17 +33,25 @@ def assert_one_line_error(status: int, err: str, fragment: str) -> None:
     assert fragment in err
 
 
-def test_trains_and_saves_the_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("chat_tokens", [True, False])
+def test_trains_and_saves_the_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chat_tokens: bool
+) -> None:
+    """The chat template's tokens are reserved unless --no-chat-tokens; either way the vocabulary and merges are
+    `train_bpe`'s with those special tokens."""
     corpus = fixture_path("corpus.en")
     out = tmp_path / "tokenizer"
     argv = [str(corpus), "--vocab-size", "400", "--special-token", EOT, "--out", str(out), "--workers", "2"]
-    status, err = run_cli(argv, capsys)
+    status, err = run_cli(argv + ([] if chat_tokens else ["--no-chat-tokens"]), capsys)
     assert status == 0, err
     vocab, merges, special_tokens = load_tokenizer_files(out)
-    assert (vocab, merges) == train_bpe(corpus, 400, [EOT], workers=1)
-    assert special_tokens == [EOT]
-    longest = max((t for t in vocab.values() if t != EOT.encode()), key=len)
-    assert "trained 400 tokens (256 bytes + 143 merges + 1 special)" in err
+    expected_special = [EOT, *CHAT_TOKENS] if chat_tokens else [EOT]
+    assert (vocab, merges) == train_bpe(corpus, 400, expected_special, workers=1)
+    assert special_tokens == expected_special
+    special_bytes = {t.encode() for t in expected_special}
+    longest = max((t for t in vocab.values() if t not in special_bytes), key=len)
+    merged = 400 - 256 - len(expected_special)
+    assert f"trained 400 tokens (256 bytes + {merged} merges + {len(expected_special)} special)" in err
     assert "peak memory" in err and " MiB" in err
     assert f"longest token: {longest.decode()!r} ({len(longest)} bytes)" in err
     assert "stopped early" not in err
@@ -55,8 +64,9 @@ def test_says_when_it_stopped_early(tmp_path: Path, capsys: pytest.CaptureFixtur
         [str(corpus), "--vocab-size", "1000", "--special-token", EOT, "--out", str(tmp_path / "t")], capsys
     )
     assert status == 0, err
-    assert "stopped early" in err and "vocabulary has 259 tokens instead of 1,000" in err
-    assert len(load_tokenizer_files(tmp_path / "t")[0]) == 259
+    # 256 bytes, 2 merges (a+b, " "+ab), <|endoftext|> and the 4 chat tokens
+    assert "stopped early" in err and "vocabulary has 263 tokens instead of 1,000" in err
+    assert len(load_tokenizer_files(tmp_path / "t")[0]) == 263
 
 
 def test_runs_as_a_module_without_traceback(tmp_path: Path) -> None:
@@ -76,7 +86,7 @@ def test_runs_as_a_module_without_traceback(tmp_path: Path) -> None:
     [
         ("missing file", "input file not found"),
         ("directory given", "is not a regular file"),
-        ("vocab below 256 + specials", "at least 256 bytes + 2 special token(s) = 258"),
+        ("vocab below 256 + specials", "at least 256 bytes + 6 special token(s) = 262"),
         ("output is a file", "exists and is not a directory"),
         ("output under a file", "is not a directory"),
         ("invalid UTF-8", "not valid UTF-8 at byte offset 9"),

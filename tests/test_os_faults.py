@@ -154,7 +154,9 @@ def test_a_resumed_run_that_diverges_says_so_in_its_summary(tmp_path, monkeypatc
     assert RunDirectory(tmp_path / "run").summary().stopped is StopReason.FINISHED
 
     monkeypatch.setattr(
-        step_module, "cross_entropy", lambda logits, targets: cross_entropy(logits, targets) * np.nan
+        step_module,
+        "cross_entropy",
+        lambda logits, targets, ignore=None: cross_entropy(logits, targets, ignore) * np.nan,
     )
     longer = small_config(tmp_path, eval={"interval": 0, "iters": 0}, training={"max_steps": 8})
     with pytest.raises(DivergedError):

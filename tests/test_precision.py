@@ -183,7 +183,11 @@ def test_a_scale_that_collapses_is_a_divergence(tmp_path, monkeypatch):
     from scratchlm.training import step as step_module
 
     real = step_module.cross_entropy
-    monkeypatch.setattr(step_module, "cross_entropy", lambda logits, targets: real(logits, targets) * 1e30)
+    monkeypatch.setattr(
+        step_module,
+        "cross_entropy",
+        lambda logits, targets, ignore=None: real(logits, targets, ignore) * 1e30,
+    )
     with pytest.raises(DivergedError, match="gradient norm"):
         train(small_config(tmp_path, training={"precision": "fp16"}))
 

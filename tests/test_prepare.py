@@ -10,8 +10,9 @@ import pytest
 import tiktoken
 
 from scratchlm.cli import main
-from scratchlm.data.prepare import END_OF_TEXT, VOCAB_SIZES, dataset_text_files, prepare_data
+from scratchlm.data.prepare import VOCAB_SIZES, dataset_text_files, prepare_data
 from scratchlm.errors import ScratchlmError
+from scratchlm.tokenizer import DEFAULT_SPECIAL_TOKENS, END_OF_TEXT
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.training.config import TrainConfig
@@ -50,7 +51,8 @@ def test_prepare_trains_encodes_and_skips_finished_steps(tmp_path: Path) -> None
     out = tmp_path / "prepared"
     prepared = prepare_data(train, valid, out, vocab_size=300)
     vocab, merges, special = load_tokenizer_files(prepared.tokenizer)
-    assert len(vocab) == 300 and len(merges) == 300 - 257 and special == [END_OF_TEXT]
+    assert len(vocab) == 300 and len(merges) == 300 - 256 - len(DEFAULT_SPECIAL_TOKENS)
+    assert special == list(DEFAULT_SPECIAL_TOKENS)  # <|endoftext|> and the chat template's, reserved
 
     oracle = tiktoken_encoding(prepared.tokenizer)
     for text, ids_path in ((train, prepared.train), (valid, prepared.valid)):

@@ -26,7 +26,7 @@ from scratchlm.quickstart import (
     unigram_entropy,
 )
 from scratchlm.run import RunDirectory, load_trained
-from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer import CHAT_TOKENS, DEFAULT_SPECIAL_TOKENS, END_OF_TEXT
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -60,8 +60,11 @@ def test_corpus_is_stdlib_source_split_into_documents(out: Path) -> None:
 def test_tokenizer_and_token_files(out: Path) -> None:
     data = out / "data"
     vocab, merges, special = load_tokenizer_files(data / "tokenizer")
-    assert len(vocab) == SMALL.vocab_size and len(merges) == SMALL.vocab_size - 257
-    assert special == [END_OF_TEXT]
+    # 256 bytes, the merges, and the special tokens: <|endoftext|> and the chat template's, reserved
+    assert len(vocab) == SMALL.vocab_size and len(merges) == SMALL.vocab_size - 256 - len(
+        DEFAULT_SPECIAL_TOKENS
+    )
+    assert special == [END_OF_TEXT, *CHAT_TOKENS]
     tokenizer = Tokenizer.from_dir(data / "tokenizer")
     for split in ("train", "valid"):
         ids = np.load(data / f"{split}.npy", mmap_mode="r")

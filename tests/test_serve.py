@@ -8,9 +8,7 @@ from __future__ import annotations
 import html.parser
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +22,17 @@ pytest.importorskip("starlette", reason="starlette not installed (pip install 's
 pytest.importorskip("uvicorn", reason="uvicorn not installed (pip install 'scratchlm[serve]')")
 openai = pytest.importorskip("openai", reason="openai not installed (the test oracle)")
 from interop_helpers import make_run, scratch_model, small_tokenizer  # noqa: E402
-from serve_helpers import TIMEOUT, Reply, Running, connect, log_softmax_oracle, request, tiny_run  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    TIMEOUT,
+    Reply,
+    Running,
+    chromium_driver,
+    connect,
+    free_port,
+    log_softmax_oracle,
+    request,
+    tiny_run,
+)
 
 from scratchlm.generation.sampling import SamplingOptions  # noqa: E402
 from scratchlm.model.config import ModelConfig  # noqa: E402
@@ -423,12 +431,6 @@ def test_a_non_streaming_client_that_disconnects_frees_its_place(slow_server) ->
     assert idle_after(slow_server.engine, 1.0) < 0.3
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_the_command_serves_and_sigterm_stops_it_cleanly(tmp_path) -> None:
     """The command line: it prints the URLs, serves, and on SIGTERM fails the request in flight and exits."""
     tokenizer = small_tokenizer()
@@ -524,19 +526,6 @@ def test_the_page_has_a_top_k_control_beside_temperature_and_top_p(server) -> No
     assert top_k["type"] == "number" and top_k["min"] == "1" and top_k.get("value") is None  # empty: no limit
     script = request(server.url, "GET", "/static/app.js").text
     assert 'body.top_k = Number($("top-k").value)' in script
-
-
-def chromium_driver(width: int = 420, height: int = 860):
-    """Headless Chromium through Selenium and chromium-driver (Debian's packages; nothing is downloaded)."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
-    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if browser is None or driver is None:
-        pytest.skip("chromium not installed (apt-get install chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={width},{height}"):
-        options.add_argument(argument)
-    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
 
 
 def test_the_page_streams_a_completion_in_chromium(server) -> None:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import torch
+from helpers import assert_same_state
+from serve_helpers import tiny_run
 
 from scratchlm.chat.conversations import write_conversations
 from scratchlm.chat.tasks import build_tasks
@@ -17,8 +19,6 @@ from scratchlm.run.load import load_trained
 from scratchlm.tokenizer import CHAT_TOKENS
 from scratchlm.training.start import grow_vocabulary
 from scratchlm.training.trainer import train
-from tests.helpers import assert_same_state
-from tests.serve_helpers import tiny_run
 
 BASE_CONTEXT = 96
 
@@ -119,7 +119,9 @@ def test_a_config_may_not_set_the_model(base_and_data, tmp_path):
     from scratchlm.chat.sft import sft_config
 
     config_file = tmp_path / "sft.toml"
-    config_file.write_text(f'[sft]\nbase = "{base}"\ntrain = "{root / "train.jsonl"}"\n[model]\nd_model = 64\n')
+    config_file.write_text(
+        f'[sft]\nbase = "{base}"\ntrain = "{root / "train.jsonl"}"\n[model]\nd_model = 64\n'
+    )
     with pytest.raises(ScratchlmError, match="a fine-tuning config has no \\[model\\]"):
         sft_config(config_file)
     with pytest.raises(ScratchlmError, match="sft.base is required"):
@@ -128,7 +130,11 @@ def test_a_config_may_not_set_the_model(base_and_data, tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "scratchlm", *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        [sys.executable, "-m", "scratchlm", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -143,3 +149,21 @@ def test_the_command_reports_a_bad_line_in_one_line(base_and_data, tmp_path):
     assert len(lines) == 1 and f"{bad}:2: message 1 has an unknown role 'robot'" in lines[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
+
+
+def test_the_quickstart_goes_on_to_a_chat_model(tmp_path):
+    """`quickstart --chat` (small): conversations, fine-tuning, both models scored, and a second call reuses
+    every stage."""
+    from scratchlm.quickstart import quickstart
+
+    out = tmp_path / "qs"
+    result = quickstart(out, minutes=1, small=True, device="cpu", chat_minutes=1)
+    chat = result.chat
+    assert chat is not None and chat.steps == 30 and chat.test_conversations == 20
+    assert 0 <= chat.exact_match_before <= 1 and 0 <= chat.exact_match_after <= 1
+    assert chat.loss_after < chat.loss_before  # fine-tuning lowered the held-out assistant loss
+    assert isinstance(chat_template(load_trained(out / "chat-run").tokenizer), ChatTemplate)
+    recorded = json.loads((out / "quickstart.json").read_text())["chat"]
+    assert recorded["exact_match_after"] == chat.exact_match_after
+    again = quickstart(out, minutes=1, small=True, device="cpu", chat_minutes=1)
+    assert again.chat.steps == chat.steps and again.chat.loss_after == pytest.approx(chat.loss_after)

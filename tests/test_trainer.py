@@ -189,11 +189,11 @@ def test_an_abort_mid_step_keeps_the_last_completed_step(tmp_path, monkeypatch):
     train(small_config(tmp_path, "straight"))
     calls = {"n": 0}
 
-    def loss_then_abort(logits, targets):
+    def loss_then_abort(logits, targets, ignore_index=None):
         calls["n"] += 1
         if calls["n"] == 10:  # the forward pass of step 10 (no evaluation has run yet... see below)
             raise KeyboardInterrupt
-        return cross_entropy(logits, targets)
+        return cross_entropy(logits, targets, ignore_index)
 
     monkeypatch.setattr(step_module, "cross_entropy", loss_then_abort)
     with pytest.raises(KeyboardInterrupt):
@@ -207,9 +207,9 @@ def test_an_abort_mid_step_keeps_the_last_completed_step(tmp_path, monkeypatch):
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     calls = {"n": 0}
 
-    def loss_that_turns_nan(logits, targets):
+    def loss_that_turns_nan(logits, targets, ignore_index=None):
         calls["n"] += 1
-        loss = cross_entropy(logits, targets)
+        loss = cross_entropy(logits, targets, ignore_index)
         return loss * float("nan") if calls["n"] >= 6 else loss
 
     monkeypatch.setattr(step_module, "cross_entropy", loss_that_turns_nan)

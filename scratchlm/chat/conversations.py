@@ -56,7 +56,9 @@ def read_conversations(path: str | os.PathLike) -> list[list[Message]]:
         except json.JSONDecodeError as e:
             raise ScratchlmError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict) or "messages" not in record:
-            raise ScratchlmError(f'{where}: no "messages" (expected {{"messages": [{{"role": ..., "content": ...}}]}})')
+            raise ScratchlmError(
+                f'{where}: no "messages" (expected {{"messages": [{{"role": ..., "content": ...}}]}})'
+            )
         try:
             messages = check_messages(record["messages"])
         except ScratchlmError as e:
@@ -95,7 +97,10 @@ class Encoded:
 
     def rows(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         return [
-            (self.ids[self.offsets[k] : self.offsets[k + 1]], self.counted[self.offsets[k] : self.offsets[k + 1]])
+            (
+                self.ids[self.offsets[k] : self.offsets[k + 1]],
+                self.counted[self.offsets[k] : self.offsets[k + 1]],
+            )
             for k in indices
         ]
 
@@ -148,6 +153,8 @@ class ConversationBatches:
         counted = encoded.counted.copy()
         counted[encoded.offsets[:-1]] = False
         self.counts = np.add.reduceat(counted, encoded.offsets[:-1]).astype(np.int64)
+        # The inputs of a row on average (padding aside): what tokens/s counts for a fine-tuning run.
+        self.tokens_per_row = float(np.diff(encoded.offsets).mean()) - 1
 
     def __len__(self) -> int:
         return len(self.encoded)

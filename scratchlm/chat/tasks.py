@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import random
+
 from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, Message
 from scratchlm.generation.generate import generate
 from scratchlm.model.transformer import TransformerLM
@@ -80,7 +81,9 @@ def conversation(rng: random.Random, words: list[str]) -> list[Message]:
     return [*messages, Message("user", question), Message("assistant", answer)]
 
 
-def build_tasks(train_size: int, test_size: int, seed: int = 0) -> tuple[list[list[Message]], list[list[Message]]]:
+def build_tasks(
+    train_size: int, test_size: int, seed: int = 0
+) -> tuple[list[list[Message]], list[list[Message]]]:
     """`train_size` training conversations and `test_size` test conversations, whose last questions the
     training set never asks."""
     words = vocabulary()
@@ -105,7 +108,9 @@ def exact_match(
     for messages in conversations:
         prompt = template.encode(messages[:-1], add_generation_prompt=True)
         budget = model.config.context_length - len(prompt)
-        answer = generate(model, prompt, max_new_tokens=max(budget, 0), temperature=0, stop_ids=template.stop_ids)
+        answer = generate(
+            model, prompt, max_new_tokens=max(budget, 0), temperature=0, stop_ids=template.stop_ids
+        )
         if answer and answer[-1] in template.stop_ids:
             answer = answer[:-1]
         right += template.tokenizer.decode(answer) == messages[-1].content

@@ -42,6 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train on your own UTF-8 text: files or directories; documents are separated by <|endoftext|> "
         "where it appears, else one per file; about 5%% of them are held out for validation",
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="then fine-tune the model to chat on built-in conversations, score it and show a conversation",
+    )
+    parser.add_argument(
+        "--chat-minutes",
+        type=float,
+        default=3.0,
+        metavar="M",
+        help="with --chat: fine-tuning time in minutes (default: 3)",
+    )
     add_device_argument(parser)
 
 
@@ -55,4 +67,5 @@ def run(args: argparse.Namespace) -> None:
         device=args.device,
         recipe=args.recipe,
         text=args.text,
+        chat_minutes=args.chat_minutes if args.chat else None,
     )

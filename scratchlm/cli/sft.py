@@ -39,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from scratchlm.errors import ScratchlmError
 
-    flags = {"sft.base": args.base, "sft.train": args.data, "sft.valid": args.valid, "logging.run_dir": args.out}
+    flags = {
+        "sft.base": args.base,
+        "sft.train": args.data,
+        "sft.valid": args.valid,
+        "logging.run_dir": args.out,
+    }
     overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     if args.minutes is not None:
         if not args.minutes > 0:

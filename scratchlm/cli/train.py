@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> None:
     if config.sft.train:
         from scratchlm.errors import ScratchlmError
 
-        raise ScratchlmError(f"{args.config}: a config with [sft] fine-tunes: run `scratchlm sft --config FILE`")
+        raise ScratchlmError(
+            f"{args.config}: a config with [sft] fine-tunes: run `scratchlm sft --config FILE`"
+        )
     from scratchlm.training.trainer import train
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)

@@ -51,10 +51,9 @@ def run(args: argparse.Namespace) -> None:
 
     from scratchlm.console import console, format_seconds, peak_memory_mb
     from scratchlm.errors import ScratchlmError
+    from scratchlm.tokenizer import CHAT_TOKENS
     from scratchlm.tokenizer.serialization import save_tokenizer
     from scratchlm.tokenizer.train import train_bpe
-
-    from scratchlm.tokenizer import CHAT_TOKENS
 
     # The chat tokens are reserved, so that a model pretrained with this tokenizer can learn to chat.
     reserved = () if args.no_chat_tokens else CHAT_TOKENS

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
 
-
 IGNORE = -1  # a target the loss leaves out
 
 

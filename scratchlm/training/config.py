@@ -143,7 +143,9 @@ class TrainConfig:
             path = Path(path)
             source = str(path)
             for section, settings in read_toml(path).items():
-                values[section] = values.get(section, {}) | settings if isinstance(settings, dict) else settings
+                values[section] = (
+                    values.get(section, {}) | settings if isinstance(settings, dict) else settings
+                )
         for override in overrides:
             section, key, value = parse_override(override)
             _build_section(section, SECTIONS.get(section), {key: value}, f"--set {override}", construct=False)

@@ -86,9 +86,19 @@ class Interval:
 class Reporter:
     """The console, the metrics log and the summary of one session; silent outside the main process."""
 
-    def __init__(self, config: TrainConfig, dist: Distributed, run_dir: RunDirectory, choices: Plan) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        dist: Distributed,
+        run_dir: RunDirectory,
+        choices: Plan,
+        tokens_per_row: float | None = None,
+    ) -> None:
+        """`tokens_per_row`: the tokens a sequence of the batch holds (on average, for conversations of
+        different lengths); default the context length."""
         self.config, self.dist, self.run_dir, self.choices = config, dist, run_dir, choices
-        self.tokens_per_step = config.training.batch_size * config.model.context_length
+        per_row = config.model.context_length if tokens_per_row is None else tokens_per_row
+        self.tokens_per_step = round(config.training.batch_size * per_row)
         self.logger: MetricsLogger | None = None
 
     def open(

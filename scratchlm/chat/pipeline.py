@@ -1,0 +1,179 @@
+"""From a base run to a chat model in one call: the quickstart's `--chat` stages, also the chat benchmark's.
+
+    built-in conversations (scratchlm.chat.tasks) -> OUT/chat/{train,test}.jsonl
+    the base run, fine-tuned on them for a time budget (scratchlm.chat.sft) -> OUT/chat-run
+    the base and the chat model scored on the test split: exact match of the last answer, and the loss of
+    the assistant's tokens -> a short conversation with the chat model
+
+The base is scored with the same template (its tokenizer given the chat tokens, when it lacked them, as
+fine-tuning does), so the two figures compare the same prompts. Like the quickstart's other stages, each one
+reuses what an earlier call finished, and an interrupted fine-tuning run resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scratchlm.chat.conversations import (
+    ConversationBatches,
+    encode_conversations,
+    read_conversations,
+    write_conversations,
+)
+from scratchlm.chat.sft import sft_config
+from scratchlm.chat.tasks import build_tasks, exact_match
+from scratchlm.chat.template import ChatTemplate, Message, chat_template, with_chat_tokens
+from scratchlm.console import console
+from scratchlm.device import plan
+from scratchlm.generation.generate import generate
+from scratchlm.model.loss import IGNORE, cross_entropy
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.run import RunDirectory, StopReason, load_trained
+from scratchlm.training.start import grow_vocabulary
+from scratchlm.training.trainer import train
+
+
+@dataclass(frozen=True)
+class ChatSize:
+    train_conversations: int
+    test_conversations: int
+    max_steps: int  # the most steps; the time budget usually ends the run first
+
+
+CHAT_FULL = ChatSize(train_conversations=20_000, test_conversations=200, max_steps=3000)
+CHAT_SMALL = ChatSize(train_conversations=400, test_conversations=20, max_steps=30)
+
+# Questions of the conversation the quickstart shows (the second one follows up on the first).
+SHOWN = ("Reverse: print open len", "As a list: zip max", "Add 7 and 5.")
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    run_dir: str
+    steps: int
+    training_seconds: float
+    exact_match_before: float
+    exact_match_after: float
+    loss_before: float
+    loss_after: float
+    test_conversations: int
+
+
+def conversation_files(out_dir: Path, size: ChatSize) -> tuple[Path, Path]:
+    """The built-in conversations, written once into `out_dir` (train.jsonl, test.jsonl)."""
+    train_file, test_file = out_dir / "train.jsonl", out_dir / "test.jsonl"
+    if train_file.exists() and test_file.exists():
+        console.print(f"reusing {out_dir}")
+        return train_file, test_file
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_set, test_set = build_tasks(size.train_conversations, size.test_conversations)
+    write_conversations(test_file, test_set)
+    write_conversations(train_file, train_set)  # last: its presence says both are whole
+    console.print(f"{len(train_set):,} training and {len(test_set):,} test conversations in {out_dir}")
+    return train_file, test_file
+
+
+def fine_tune(
+    base: Path, train_file: Path, test_file: Path, run_dir: Path, seconds: float, device: str, size: ChatSize
+):
+    """Fine-tune `base` (or resume, or reuse the finished run); returns the run's summary."""
+    run = RunDirectory(run_dir)
+    summary = run.summary()
+    if summary is not None and summary.stopped not in (StopReason.INTERRUPTED, StopReason.DIVERGED):
+        console.print(f"reusing the finished chat model in {run_dir} (delete it to fine-tune again)")
+        return summary
+    overrides = {
+        "sft.base": str(base),
+        "sft.train": str(train_file),
+        "sft.valid": str(test_file),
+        "logging.run_dir": str(run_dir),
+        "training.max_time_s": seconds,
+        "training.max_steps": size.max_steps,
+        "training.device": device,
+    }
+    config = sft_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
+    return train(config, resume=run.latest_checkpoint() is not None)
+
+
+def as_chat_model(source: Path, device: str) -> tuple[TransformerLM, ChatTemplate]:
+    """The model of `source` held for inference, and the chat template it is prompted with: its own, or, for
+    a base run, scratchlm's, its vocabulary grown as fine-tuning grows it."""
+    trained = load_trained(source, device=device)
+    template = chat_template(trained.tokenizer)
+    model = trained.model
+    if template is None:
+        tokenizer, _ = with_chat_tokens(trained.tokenizer)
+        template = ChatTemplate(tokenizer)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            config = dataclasses.replace(model.config, vocab_size=tokenizer.vocab_size)
+            grown = TransformerLM(config, device=device)
+            grown.load_state_dict(grow_vocabulary(model.state_dict(), tokenizer.vocab_size))
+            model = grown.eval()
+    plan(torch.device(device), trained.precision or "auto").for_inference(model)
+    return model, template
+
+
+@torch.no_grad()
+def assistant_loss(model: TransformerLM, template: ChatTemplate, conversations: list[list[Message]]) -> float:
+    """Mean loss of the assistant's tokens (and their end-of-turn tokens) over `conversations`."""
+    encoded = encode_conversations(conversations, template, model.config.context_length)
+    batches = ConversationBatches(encoded)
+    device = next(model.parameters()).device
+    total, counted = 0.0, 0
+    for rows in np.array_split(np.arange(len(batches)), max(1, len(batches) // 32)):
+        inputs, targets = batches.gather(rows, device)
+        n = batches.counted(rows)
+        total += cross_entropy(model(inputs), targets, ignore_index=IGNORE).item() * n
+        counted += n
+    return total / counted
+
+
+def show_conversation(model: TransformerLM, template: ChatTemplate) -> None:
+    """A short conversation, greedy, the history carried from turn to turn."""
+    messages: list[Message] = []
+    for question in SHOWN:
+        messages.append(Message("user", question))
+        prompt = template.encode(messages)
+        budget = max(0, model.config.context_length - len(prompt))
+        reply = generate(model, prompt, budget, temperature=0, stop_ids=template.stop_ids)
+        text = template.tokenizer.decode([t for t in reply if t not in template.stop_ids])
+        messages.append(Message("assistant", text))
+        # `out`: the text as it is, never read as markup
+        console.out(f"user:      {question}")
+        console.out(f"assistant: {text}")
+
+
+def chat_stages(base: Path, out_dir: Path, seconds: float, device: str, size: ChatSize, stage) -> ChatResult:
+    """The `--chat` stages after the base run (`stage(title)` announces each)."""
+    stage("conversations: built-in tasks (copy, reverse, sort, count, add, ...)")
+    train_file, test_file = conversation_files(out_dir / "chat", size)
+    stage("fine-tuning to chat")
+    run_dir = out_dir / "chat-run"
+    summary = fine_tune(base, train_file, test_file, run_dir, seconds, device, size)
+    stage("the base and the chat model on the held-out conversations")
+    test_set = read_conversations(test_file)
+    scores = {}
+    for name, source in (("before", base), ("after", run_dir)):
+        model, template = as_chat_model(source, device)
+        scores[name] = (exact_match(model, template, test_set), assistant_loss(model, template, test_set))
+        console.print(
+            f"{'base' if name == 'before' else 'chat'} model: exact match {scores[name][0]:.1%}, "
+            f"assistant-token loss {scores[name][1]:.4f} nats"
+        )
+    show_conversation(model, template)
+    return ChatResult(
+        run_dir=str(run_dir),
+        steps=summary.steps,
+        training_seconds=summary.wall_time_s,
+        exact_match_before=scores["before"][0],
+        exact_match_after=scores["after"][0],
+        loss_before=scores["before"][1],
+        loss_after=scores["after"][1],
+        test_conversations=len(test_set),
+    )
