@@ -171,14 +171,8 @@ def evaluate_tasks(
     if unknown:
         where = f" or under {include_path}" if include_path else " (local tasks: --include-path DIR)"
         raise ValueError(f"no lm-eval task named {', '.join(unknown)}{where}")
-    return simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=log_samples,
-    )
+    settings = {"limit": limit, "num_fewshot": num_fewshot, "log_samples": log_samples}
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **settings)
 
 
 def results_table(results: dict[str, Any]) -> str:

@@ -32,7 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-length",
         type=int,
-        default=None,
         help="with --data: window length (default: the model's context length)",
     )
     parser.add_argument(
@@ -41,13 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit",
         type=float,
-        default=None,
         help="with --tasks: at most this many documents per task (or, below 1, this share of them)",
     )
     parser.add_argument(
         "--num-fewshot",
         type=int,
-        default=None,
         help="with --tasks: examples in each prompt (default: the task's)",
     )
 

@@ -47,11 +47,11 @@ class Row:
     shared: int | None
     limit: int
     registers: int | None = None
-    spill_stores: int | None = None
+    spill_stores: int | None = None  # bytes
     spill_loads: int | None = None
-    transposes: int | None = None
     instructions: int | None = None
-    mix: dict[str, int] | None = None
+    mix: dict[str, int] | None = None  # instructions per opcode of OPCODES
+    transposes: int | None = None
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:

@@ -61,9 +61,9 @@ class CompletionRequest:
     n: int
     stream: bool
     include_usage: bool
-    logprobs: int | None
-    echo: bool
-    tokens_as_ids: bool
+    logprobs: int | None = None  # completions only: chat replies carry no log-probabilities here
+    echo: bool = False
+    tokens_as_ids: bool = False
 
 
 async def read_json(request: Request) -> Any:
@@ -244,16 +244,9 @@ def parse_completion_request(
     _refuse(body, {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0})
     if body.get("logit_bias") or body.get("suffix"):
         raise APIError(400, "'logit_bias' and 'suffix' are not supported by this server")
-    return CompletionRequest(
-        prompts=prompts,
-        options=options,
-        n=n,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-        echo=_typed(body, "echo", bool, False, "a boolean"),
-        tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False, "a boolean"),
-    )
+    echo = _typed(body, "echo", bool, False, "a boolean")
+    tokens_as_ids = _typed(body, "return_tokens_as_token_ids", bool, False, "a boolean")
+    return CompletionRequest(prompts, options, n, stream, include_usage, logprobs, echo, tokens_as_ids)
 
 
 def _max_tokens_field(body: dict) -> str:
@@ -304,16 +297,7 @@ def parse_chat_request(
     response_format = _typed(body, "response_format", dict, {"type": "text"}, "an object")
     if response_format.get("type") != "text":
         raise APIError(400, "'response_format' can only be text on this server", "response_format")
-    return CompletionRequest(
-        prompts=[ids],
-        options=options,
-        n=n,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=None,
-        echo=False,
-        tokens_as_ids=False,
-    )
+    return CompletionRequest([ids], options, n, stream, include_usage)
 
 
 @dataclass(frozen=True)
