@@ -7,8 +7,9 @@
   transformers' `generate` stops where scratchlm's does. The export with scratchlm's modeling code does the same.
 - `export --format gguf` writes `tokenizer.chat_template` and the end-of-turn token.
 - `import-hf` of a model with a ChatML template of its own keeps it: the run's tokenizer carries it, it gives
-  transformers' ids, generation stops at `<|im_end|>`, and `scratchlm chat` answers with it. A scratchlm chat
-  export imports back with scratchlm's own template; a template scratchlm cannot use is dropped with a warning.
+  transformers' ids, generation stops at `<|im_end|>`, and `scratchlm chat` and the server answer with it. A
+  scratchlm chat export imports back with scratchlm's own template; a template scratchlm cannot use is dropped
+  with a warning.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def foreign(tmp_path_factory):
     base = small_tokenizer()
     tokenizer = Tokenizer(base.vocab, base.merges, [END_OF_TEXT, IM_START, IM_END])
     source = root / "hf"
-    random_llama(source, vocab_size=tokenizer.vocab_size)
+    random_llama(source, vocab_size=tokenizer.vocab_size, max_position_embeddings=256)
     hf_tokenizer_json(tokenizer, source)
     (source / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END}), encoding="utf-8"
@@ -229,8 +230,18 @@ def test_the_imported_template_gives_transformers_ids(foreign, name, add_generat
     assert ours == ids_of(hf_tokenizer, conversation, add_generation_prompt)
 
 
+def greedy_answer(trained, conversation: list[dict]) -> str:
+    """`generate`'s greedy answer in the run's own template, decoded without the token that ended it."""
+    template = chat_template(trained.tokenizer)
+    ids = generate(
+        trained.model, template.encode(check_messages(conversation)), GREEDY_BUDGET, temperature=0,
+        eos_id=trained.tokenizer.eos_id, stop_ids=template.stop_ids,
+    )  # fmt: skip
+    return trained.tokenizer.decode(ids[:-1] if ids and ids[-1] in template.stop_ids else ids)
+
+
 def test_scratchlm_chat_answers_with_the_imported_template(foreign, capsys, monkeypatch):
-    source, _, trained = foreign
+    _, _, trained = foreign
     run = trained.checkpoint.parent.parent
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
     status, out, err = run_cli(
@@ -239,14 +250,25 @@ def test_scratchlm_chat_answers_with_the_imported_template(foreign, capsys, monk
         capsys,
     )  # fmt: skip
     assert status == 0, err
-    template = chat_template(trained.tokenizer)
-    prompt = template.encode(check_messages([{"role": "user", "content": "Hello there"}]))
-    ids = generate(
-        trained.model, prompt, GREEDY_BUDGET, temperature=0, eos_id=trained.tokenizer.eos_id,
-        stop_ids=template.stop_ids,
-    )  # fmt: skip
-    answer = ids[:-1] if ids and ids[-1] in template.stop_ids else ids
-    assert answer and out == trained.tokenizer.decode(answer) + "\n"
+    answer = greedy_answer(trained, [{"role": "user", "content": "Hello there"}])
+    assert answer and out == answer + "\n"
+
+
+def test_the_server_answers_with_the_imported_template(foreign):
+    pytest.importorskip("uvicorn", reason="uvicorn not installed (pip install 'scratchlm[serve]')")
+    pytest.importorskip("openai", reason="openai not installed (the test oracle)")
+    from serve_helpers import Running
+
+    _, _, trained = foreign
+    server = Running(trained, "imported")
+    try:
+        conversation = CONVERSATIONS["every role, several turns"]
+        response = server.client.chat.completions.create(
+            model="imported", messages=conversation, max_tokens=GREEDY_BUDGET, temperature=0
+        )
+        assert response.choices[0].message.content == greedy_answer(trained, conversation)
+    finally:
+        server.close()
 
 
 def test_a_chat_export_imports_back_with_scratchlm_template(exported, tmp_path, capsys):

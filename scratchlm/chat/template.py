@@ -145,8 +145,8 @@ class JinjaChatTemplate:
         self.stop_ids = frozenset(filter(lambda i: i is not None, (self._end_of_turn(), tokenizer.eos_id)))
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        from jinja2.exceptions import TemplateError
-
+        """The template's text for `messages`. `bos_token` is empty: scratchlm's tokenizers have no
+        beginning-of-sequence token, and a template that writes one renders without it."""
         try:
             return self._template.render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
@@ -154,7 +154,7 @@ class JinjaChatTemplate:
                 eos_token=END_OF_TEXT if self.tokenizer.eos_id is not None else "",
                 bos_token="",
             )
-        except TemplateError as e:
+        except Exception as e:  # the template is data: any error of its code is the template's, not ours
             raise ScratchlmError(f"the chat template refused the conversation: {e}") from None
 
     def encode(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:

@@ -29,8 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TextIO
 
-from scratchlm.cli import generate
-from scratchlm.cli.options import add_model_source_arguments
+from scratchlm.cli.options import add_model_source_arguments, add_sampling_arguments, sampling_options
 
 if TYPE_CHECKING:
     from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, Message
@@ -40,36 +39,13 @@ if TYPE_CHECKING:
 HELP = "Chat with a fine-tuned model at the terminal (or line by line from a pipe), its answers streamed."
 
 PROMPT = ">>> "
-# The options of `scratchlm generate` that say how an answer is sampled, by their dests: chat takes their
-# definitions (flags, types, defaults, help) from that command, so the two sample alike.
-SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 COMMANDS = "/clear starts a new conversation, /exit (or Ctrl-D) quits"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_source_arguments(parser, tokenizer=True)
-    parser.add_argument(
-        "--system", metavar="TEXT", help="a system message that starts every conversation (default: none)"
-    )
-    add_generate_options(parser, SAMPLING_OPTIONS)
-
-
-def add_generate_options(parser: argparse.ArgumentParser, dests: tuple[str, ...]) -> None:
-    """The options of `scratchlm generate` whose dests are `dests`, added to `parser` as that command defines
-    them, so that each is written once."""
-    definitions = argparse.ArgumentParser(add_help=False)
-    generate.add_arguments(definitions)
-    for action in definitions._actions:  # argparse has no public listing of a parser's options
-        if action.dest in dests:
-            parser.add_argument(
-                *action.option_strings,
-                dest=action.dest,
-                type=action.type,
-                default=action.default,
-                choices=action.choices,
-                metavar=action.metavar,
-                help=action.help,
-            )
+    add_sampling_arguments(parser)
+    parser.add_argument("--system", metavar="TEXT", help="a system message that starts every conversation")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from scratchlm.errors import ScratchlmError
 
     # Every option is checked before anything is loaded.
-    options = sampling_options(args)
+    options = answer_options(args)
     if args.system is not None and not args.system.strip():
         raise ScratchlmError("--system is empty: give the system message, or leave the option out")
     trained, _ = load_for_inference(args, require_tokenizer=True)
@@ -114,15 +90,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def sampling_options(args: argparse.Namespace) -> SamplingOptions:
-    """The answers' `SamplingOptions` from the command line, an invalid one named by its flag."""
+def answer_options(args: argparse.Namespace) -> SamplingOptions:
+    """The answers' `SamplingOptions` from the command line; an answer needs a budget of one token or more."""
     from scratchlm.errors import ScratchlmError
-    from scratchlm.generation.sampling import InvalidOption, SamplingOptions
 
-    try:
-        options = SamplingOptions(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
-    except InvalidOption as e:  # named as the flag: --top-p, not top_p
-        raise ScratchlmError(f"--{e.option.replace('_', '-')} {e.reason}") from None
+    options = sampling_options(args)
     if options.max_new_tokens < 1:
         raise ScratchlmError(
             f"--max-new-tokens must be at least 1 for an answer, got {options.max_new_tokens}"

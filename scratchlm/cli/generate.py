@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_model_source_arguments, load_for_inference
+from scratchlm.cli.options import (
+    add_model_source_arguments,
+    add_sampling_arguments,
+    load_for_inference,
+    sampling_options,
+)
 
 HELP = "Generate text from a trained model (a run directory or a checkpoint), streaming it as it is produced."
 
@@ -21,17 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", default="", help="text to continue (default: none, i.e. start a new document)"
     )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=256, help="token budget per sample (default 256)"
-    )
-    parser.add_argument(
-        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (default 0.9)"
-    )
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only")
-    parser.add_argument("--seed", type=int, default=None, help="random seed, for reproducible samples")
+    add_sampling_arguments(parser)
     parser.add_argument("--num-samples", type=int, default=1, help="how many samples to draw (default 1)")
     parser.add_argument(
         "--no-cache",
@@ -47,20 +42,10 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.console import console
     from scratchlm.errors import ScratchlmError
     from scratchlm.generation.generate import generate_stream
-    from scratchlm.generation.sampling import InvalidOption, SamplingOptions
     from scratchlm.tokenizer import END_OF_TEXT
 
     # Every option is checked before anything is loaded or printed.
-    try:
-        options = SamplingOptions(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
-    except InvalidOption as e:  # named as the flag: --top-p, not top_p
-        raise ScratchlmError(f"--{e.option.replace('_', '-')} {e.reason}") from None
+    options = sampling_options(args)
     if args.num_samples < 1:
         raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
     trained, _ = load_for_inference(args, require_tokenizer=True)

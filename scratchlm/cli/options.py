@@ -1,5 +1,5 @@
-"""Options shared by several commands, defined once: the trained model to load (`eval`, `generate`), the
-device, and the config with its repeatable `--set` for the commands that take a training config (`train`,
+"""Options shared by several commands, defined once: the trained model to load (`eval`, `generate`, `chat`),
+the device, how text is sampled (`generate`, `chat`), and the config with its repeatable `--set` for the commands that take a training config (`train`,
 `sweep`)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from scratchlm.device import Plan
+    from scratchlm.generation.sampling import SamplingOptions
     from scratchlm.run.load import TrainedModel
 
 
@@ -73,6 +74,33 @@ def load_for_inference(
     choices = inference_plan(args, next(trained.model.parameters()).device)
     choices.for_inference(trained.model)
     return trained, choices
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How text is sampled, for `generate` and `chat` alike: the fields of `SamplingOptions` but `stop`."""
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="token budget per sample or answer (default 256)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (default 0.9)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only")
+    parser.add_argument("--seed", type=int, default=None, help="random seed, for reproducible samples")
+
+
+def sampling_options(args: argparse.Namespace) -> SamplingOptions:
+    """The `SamplingOptions` of `add_sampling_arguments`' flags, an invalid one named by its flag."""
+    from scratchlm.errors import ScratchlmError
+    from scratchlm.generation.sampling import InvalidOption, SamplingOptions
+
+    names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+    try:
+        return SamplingOptions(**{name: getattr(args, name) for name in names})
+    except InvalidOption as e:  # named as the flag: --top-p, not top_p
+        raise ScratchlmError(f"--{e.option.replace('_', '-')} {e.reason}") from None
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:

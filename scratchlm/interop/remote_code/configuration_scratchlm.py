@@ -49,24 +49,11 @@ class ScratchlmConfig(PretrainedConfig):
         use_cache=True,
         **kwargs,
     ):
-        self.vocab_size = vocab_size
-        self.max_position_embeddings = max_position_embeddings
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.rope_theta = rope_theta
-        self.rms_norm_eps = rms_norm_eps
-        self.norm = norm
-        self.positions = positions
-        self.ffn = ffn
-        self.qk_norm = qk_norm
-        self.logit_softcap = logit_softcap
-        self.value_embeddings = value_embeddings
-        self.unet_skips = unet_skips
-        self.zero_init = zero_init
-        self.use_cache = use_cache
+        # Every argument but the two handled below becomes an attribute of the same name.
+        settings = dict(locals())
+        for name in ("self", "kwargs", "tie_word_embeddings", "__class__"):
+            settings.pop(name, None)
+        self.__dict__.update(settings, num_key_value_heads=num_key_value_heads or num_attention_heads)
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

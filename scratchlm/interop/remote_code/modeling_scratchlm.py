@@ -229,14 +229,17 @@ class ScratchlmBlock(nn.Module):
         def attn(h):
             return self.attn(h, rotation, mask, cache, value_embedding)
 
-        if self.norm == "pre":
-            x = x + attn(self.ln1(x))
-            return x + self.ffn(self.ln2(x))
-        if self.norm == "post":
+        if self.norm == "post":  # normalise each residual sum
             x = self.ln1(x + attn(x))
             return self.ln2(x + self.ffn(x))
-        x = x + attn(x)
-        return x + self.ffn(x)
+        # "pre" normalises each sublayer's input; "none" has no norms at all
+        ln1, ln2 = (self.ln1, self.ln2) if self.norm == "pre" else (unchanged, unchanged)
+        x = x + attn(ln1(x))
+        return x + self.ffn(ln2(x))
+
+
+def unchanged(x):
+    return x
 
 
 def attention_mask_4d(attention_mask, past, seq, device):
