@@ -48,7 +48,9 @@ def main() -> None:
         ("assistant loss (nats/token)", f"{chat.loss_before:.4f}", f"{chat.loss_after:.4f}"),
     ]
     name, flags = cpu_name_and_flags()
-    print(f"\n{chat.test_conversations} held-out conversations; {name} ({', '.join(flags) or 'no bf16 flags'})")
+    print(
+        f"\n{chat.test_conversations} held-out conversations; {name} ({', '.join(flags) or 'no bf16 flags'})"
+    )
     print(f"{'':<28} {'base':>8} {'chat':>8}")
     for name, before, after in rows:
         print(f"{name:<28} {before:>8} {after:>8}")
