@@ -17,6 +17,7 @@ from scratchlm.chat.template import JINJA, ChatTemplate, chat_template
 from scratchlm.errors import ScratchlmError
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer import CHAT_TOKENS
+from scratchlm.training.config import TrainConfig
 from scratchlm.training.start import grow_vocabulary
 from scratchlm.training.trainer import train
 
@@ -72,7 +73,9 @@ def test_a_base_run_is_fine_tuned_into_a_chat_model(base_and_data):
     assert trained.tokenizer.chat_template == JINJA
     assert isinstance(chat_template(trained.tokenizer), ChatTemplate)
     assert (root / "chat" / "tokenizer" / "chat_template.jinja").read_text() == JINJA
-    assert "[sft]" in (root / "chat" / "config.toml").read_text()
+    recorded = TrainConfig.load(root / "chat" / "config.toml")
+    assert recorded.sft.added_tokens == CHAT_TOKENS  # the run records the tokens it added to the base's
+    assert recorded.model.vocab_size == config.model.vocab_size
     losses = [json.loads(line) for line in (root / "chat" / "metrics.jsonl").read_text().splitlines()]
     train_losses = [r["train_loss"] for r in losses if "train_loss" in r]
     assert len(train_losses) == 12 and train_losses[-1] < train_losses[0]

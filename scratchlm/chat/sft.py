@@ -50,7 +50,7 @@ def sft_config(
     path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> TrainConfig:
     """The fine-tuning config: `SFT_DEFAULTS`, the file at `path`, the `overrides`, then the base's model
-    (its vocabulary grown for the chat tokens) and `training.init_from = sft.base`."""
+    (its vocabulary grown for the chat tokens) `training.init_from = sft.base` and `sft.added_tokens`."""
     if path is not None and "model" in read_toml(Path(path)):
         raise ScratchlmError(f"{path}: a fine-tuning config has no [model]: the model is sft.base's")
     if any(o.strip().startswith("model.") for o in overrides):
@@ -58,10 +58,11 @@ def sft_config(
     config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS)
     if not config.sft.train:
         raise ScratchlmError("sft.train is required: the conversations to fine-tune on (JSONL)")
-    base_model, tokenizer, _ = _base(config.sft.base)
+    base_model, tokenizer, added = _base(config.sft.base)
     values = config.to_dict()
     values["model"] = base_model.to_dict() | {"vocab_size": max(base_model.vocab_size, tokenizer.vocab_size)}
     values["training"]["init_from"] = config.sft.base
+    values["sft"]["added_tokens"] = added
     return TrainConfig.from_dict(values, str(path) if path is not None else "sft config")
 
 

@@ -101,6 +101,9 @@ class SFTConfig:
     train: str = ""  # conversations, JSONL in OpenAI's messages format; set: a fine-tuning run
     valid: str = ""  # held-out conversations; "": the last valid_fraction of train's
     valid_fraction: float = 0.05
+    # Filled in by `scratchlm sft`, the run's record of it: the chat template's special tokens the base's
+    # tokenizer lacked, added with the next free ids, their embedding (and head) rows the mean of the others.
+    added_tokens: tuple[str, ...] = ()
 
 
 SECTIONS: dict[str, type] = {
@@ -321,7 +324,8 @@ def _type_name(annotation: Any) -> str:
     if origin in (types.UnionType, typing.Union):
         return " or ".join("nothing" if a is type(None) else _type_name(a) for a in args)
     if origin is tuple:
-        return f"a list of {len(args)} " + _type_name(args[0]).removeprefix("a ").removeprefix("an ") + "s"
+        count = "" if args[-1] is Ellipsis else f"{len(args)} "
+        return f"a list of {count}" + _type_name(args[0]).removeprefix("a ").removeprefix("an ") + "s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[annotation]
 
 
@@ -341,6 +345,8 @@ def _coerce(value: Any, annotation: Any) -> Any:
                 except TypeError:
                     pass
     elif origin is tuple:
+        if isinstance(value, list | tuple) and args[-1] is Ellipsis:  # tuple[T, ...]: any length
+            return tuple(_coerce(v, args[0]) for v in value)
         if isinstance(value, list | tuple) and len(value) == len(args):
             return tuple(_coerce(v, a) for v, a in zip(value, args, strict=True))
     elif annotation is float:
