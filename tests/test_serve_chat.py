@@ -453,7 +453,7 @@ def slow_server(run_dir):
 def test_the_page_chats_in_chromium(slow_server) -> None:
     """Two turns (with a system prompt) streamed into the history, each reply the oracle's on the whole
     conversation so far; then Clear starts a new one. With SCRATCHLM_CHAT_PAGE_PNG set, the page after the
-    two turns is saved there as a PNG (docs/chat-page.png is made so)."""
+    two turns is saved there as a PNG."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
