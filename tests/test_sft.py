@@ -170,3 +170,19 @@ def test_the_quickstart_goes_on_to_a_chat_model(tmp_path):
     assert recorded["exact_match_after"] == chat.exact_match_after
     again = quickstart(out, minutes=1, small=True, device="cpu", chat_minutes=1)
     assert again.chat.steps == chat.steps and again.chat.loss_after == pytest.approx(chat.loss_after)
+
+
+def test_an_imported_model_is_fine_tuned_too(base_and_data, tmp_path):
+    """A model that comes through `import-hf` (here: a scratchlm run exported to transformers' format and
+    read back) is a base like any other: the chat tokens its tokenizer lacks are added, and it trains."""
+    pytest.importorskip("transformers", reason="transformers not installed (the export's check needs it)")
+    from scratchlm.interop.hf import export_hf, import_hf
+
+    root, base = base_and_data
+    export_hf(load_trained(base), tmp_path / "hf")
+    imported = import_hf(tmp_path / "hf", tmp_path / "imported")
+    config = config_for(root, imported, "from-import", steps=4)
+    assert config.sft.added_tokens == CHAT_TOKENS
+    summary = train(config)
+    assert summary.steps == 4 and summary.final_val_loss is not None
+    assert isinstance(chat_template(load_trained(root / "from-import").tokenizer), ChatTemplate)
