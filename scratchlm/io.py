@@ -222,3 +222,15 @@ def to_toml(values: dict[str, dict[str, Any]], notes: dict[str, str] | None = No
                 lines.append(f"{key} = {toml_value(value)}{comment}")
         lines.append("")
     return "\n".join(lines)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value; a one-line error naming the file when it is missing, not UTF-8 or not JSON."""
+    if not path.is_file():
+        raise ScratchlmError(f"{path} not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ScratchlmError(f"{path} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ScratchlmError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,7 +31,9 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.config import TrainConfig, read_toml
+
+if TYPE_CHECKING:
+    from scratchlm.training.config import TrainConfig
 
 # What fine-tuning changes from pretraining's defaults. AdamW over every parameter whatever recipe trained
 # the base (a base of the fast recipe has no Muon state to continue), at a lower rate than pretraining, and
@@ -43,6 +47,27 @@ SFT_DEFAULTS: dict[str, dict] = {
     "logging": {"run_dir": "runs/sft", "log_interval": 10},
 }
 
+
+@dataclass(frozen=True)
+class SFTConfig:
+    base: str = ""  # the run (or checkpoint) fine-tuned: one of train or import-hf
+    train: str = ""  # conversations, JSONL in OpenAI's messages format; set: a fine-tuning run
+    valid: str = ""  # held-out conversations; "": valid_fraction of train's, the same ones every time
+    valid_fraction: float = 0.05
+    # Filled in by `scratchlm sft`, the run's record of it: the chat template's special tokens the base's
+    # tokenizer lacked, added with the next free ids, their embedding (and head) rows the mean of the others.
+    added_tokens: tuple[str, ...] = ()
+
+    def check(self, source: str) -> None:
+        """Checks across keys, for a fine-tuning run (`train` set)."""
+        if not self.base:
+            raise ScratchlmError(f"{source}: sft.base is required (the run to fine-tune)")
+        if not 0 < self.valid_fraction < 1:
+            raise ScratchlmError(
+                f"{source}: sft.valid_fraction must lie in (0, 1), got {self.valid_fraction!r}"
+            )
+
+
 VALID_SPLIT_SEED = 0  # the held-out conversations of a file without a valid file: the same ones every time
 
 
@@ -51,6 +76,8 @@ def sft_config(
 ) -> TrainConfig:
     """The fine-tuning config: `SFT_DEFAULTS`, the file at `path`, the `overrides`, then the base's model
     (its vocabulary grown for the chat tokens) `training.init_from = sft.base` and `sft.added_tokens`."""
+    from scratchlm.training.config import TrainConfig, read_toml  # which holds this module's section
+
     if path is not None and "model" in read_toml(Path(path)):
         raise ScratchlmError(f"{path}: a fine-tuning config has no [model]: the model is sft.base's")
     if any(o.strip().startswith("model.") for o in overrides):

@@ -34,7 +34,6 @@ writes is one that `generate`, `chat`, `eval`, `export` and `train --init-from` 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 
 from torch import Tensor
 
-from scratchlm.chat.template import JINJA, Message, chat_template
+from scratchlm.chat.template import Message, chat_template
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.interop import LLAMA, QWEN3, SCRATCHLM, Architecture, require, stop_ids
@@ -55,7 +54,12 @@ from scratchlm.interop.hf_remote import (
     remote_config,
     remove_code_copy,
 )
-from scratchlm.interop.tokenizer_json import from_tokenizer_json, to_tokenizer_json
+from scratchlm.interop.tokenizer_json import (
+    from_tokenizer_json,
+    read_chat_template,
+    to_tokenizer_json,
+    usable_template,
+)
 from scratchlm.interop.verify import (
     DTYPES,
     as_stored,
@@ -64,7 +68,7 @@ from scratchlm.interop.verify import (
     optional_transformers,
     quiet,
 )
-from scratchlm.io import atomic_directory, check_output_dir, to_toml
+from scratchlm.io import atomic_directory, check_output_dir, read_json, to_toml
 from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint
@@ -73,8 +77,6 @@ from scratchlm.run.load import TrainedModel, check_pair
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
-# Where recent versions of transformers save a tokenizer's chat template (older ones: tokenizer_config.json).
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 HF_EXPORT_KIND = "hf-export"  # the output marker of an exported directory (scratchlm.io)
 # A text that exercises every kind of pre-token, special tokens and multi-byte characters: the exported
 # tokenizer must give scratchlm's ids on it.
@@ -326,7 +328,7 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
     safetensors_torch = require("safetensors.torch")
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ScratchlmError(f"{index} has no weight_map")
         files = sorted(set(weight_map.values()))
@@ -355,47 +357,6 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
     return {key: value for key, value in tensors.items() if not key.endswith("rotary_emb.inv_freq")}
 
 
-def read_chat_template(directory: Path) -> str | None:
-    """The chat template of a transformers checkpoint, where transformers looks for it: `chat_template.jinja`,
-    which takes priority, else tokenizer_config.json's `chat_template` (one template, or named ones, of which
-    chat uses `default`). None when there is none."""
-    jinja = directory / CHAT_TEMPLATE_FILE
-    if jinja.is_file():
-        try:
-            return jinja.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ScratchlmError(f"{jinja} is not UTF-8 text (byte {e.start})") from None
-    path = directory / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    values = _read_json(path)
-    template = values.get("chat_template") if isinstance(values, dict) else None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if "default" not in named:
-            console.print(f"warning: {path} names no default chat template; imported without one")
-        template = named.get("default")
-    if template is not None and not isinstance(template, str):
-        raise ScratchlmError(f"{path}: chat_template is not Jinja text (got {type(template).__name__})")
-    return template
-
-
-def _usable_template(tokenizer: Tokenizer, source: Path) -> Tokenizer:
-    """`tokenizer`, or, when scratchlm cannot use its chat template (Jinja that does not parse, or that refuses
-    a plain conversation), the same tokenizer without it: the model is imported as a base model, with a
-    warning naming the reason, rather than as a chat model on which every conversation would fail. Without
-    jinja2 a foreign template cannot be tried here and is kept."""
-    foreign = tokenizer.chat_template != JINJA  # scratchlm's own template is Python: no jinja2 needed
-    if tokenizer.chat_template is None or (foreign and importlib.util.find_spec("jinja2") is None):
-        return tokenizer
-    try:
-        chat_template(tokenizer)
-    except ScratchlmError as e:
-        console.print(f"warning: the chat template of {source} cannot be used ({e}); imported without it")
-        return Tokenizer(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
-    return tokenizer
-
-
 def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]:
     """The scratchlm model (in eval mode) and tokenizer, with its chat template, of a transformers checkpoint
     directory."""
@@ -403,13 +364,13 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
     if not directory.is_dir():
         raise ScratchlmError(f"{directory} is not a directory (expected a Hugging Face checkpoint directory)")
     config_path = directory / "config.json"
-    config, adapter = model_config_from_hf(_read_json(config_path), str(config_path))
+    config, adapter = model_config_from_hf(read_json(config_path), str(config_path))
     tokenizer = None
     tokenizer_path = directory / "tokenizer.json"
     if tokenizer_path.is_file():
         template = read_chat_template(directory)
-        tokenizer = from_tokenizer_json(_read_json(tokenizer_path), str(tokenizer_path), template)
-        tokenizer = _usable_template(tokenizer, directory)
+        tokenizer = from_tokenizer_json(read_json(tokenizer_path), str(tokenizer_path), template)
+        tokenizer = usable_template(tokenizer, directory)
         check_pair(config, tokenizer, None, str(tokenizer_path), f"the model of {config_path}")
     state = adapter(config).from_external(read_safetensors(directory), str(directory))
     model = TransformerLM(config)
@@ -452,14 +413,3 @@ def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
 
 def _write_json(path: Path, values: Any) -> None:
     path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise ScratchlmError(f"{path} not found")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ScratchlmError(f"{path} is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ScratchlmError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None

@@ -15,15 +15,24 @@ conversion is a re-packaging of the same strings. Reading checks every field tha
 refuses, naming the field, a tokenizer that scratchlm would encode differently: another model type, a
 normalizer, a pre-tokenizer that is not byte-level or whose pattern is not GPT-2's (Llama 3's, for instance,
 caps digit runs at three), BPE options GPT-2 lacks, added tokens that strip whitespace.
+
+A chat model's template travels beside tokenizer.json: `read_chat_template` finds it where transformers does,
+and `usable_template` drops one scratchlm cannot render, so that the model imports as a base model rather than
+as a chat model no conversation works with.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
+from scratchlm.chat.template import JINJA, chat_template
+from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
+from scratchlm.io import read_json
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
-from scratchlm.tokenizer.serialization import token_to_text, unicode_to_bytes
+from scratchlm.tokenizer.serialization import CHAT_TEMPLATE_FILE, token_to_text, unicode_to_bytes
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 # GPT-2's pattern as `tokenizers` writes it (its ByteLevel pre-tokenizer's built-in one), and as scratchlm does.
@@ -157,3 +166,44 @@ def _check_pre_tokenizer(pre: Any, source: str) -> None:
             raise ScratchlmError(f"{source}: pre_tokenizer splits twice (Split, then ByteLevel.use_regex)")
     elif not byte_level.get("use_regex", True):
         raise ScratchlmError(f"{source}: pre_tokenizer ByteLevel.use_regex is false (no GPT-2 pattern)")
+
+
+def read_chat_template(directory: Path) -> str | None:
+    """The chat template of a transformers checkpoint, where transformers looks for it: `chat_template.jinja`,
+    which takes priority, else tokenizer_config.json's `chat_template` (one template, or named ones, of which
+    chat uses `default`). None when there is none."""
+    jinja = directory / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ScratchlmError(f"{jinja} is not UTF-8 text (byte {e.start})") from None
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    values = read_json(path)
+    template = values.get("chat_template") if isinstance(values, dict) else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            console.print(f"warning: {path} names no default chat template; imported without one")
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ScratchlmError(f"{path}: chat_template is not Jinja text (got {type(template).__name__})")
+    return template
+
+
+def usable_template(tokenizer: Tokenizer, source: Path) -> Tokenizer:
+    """`tokenizer`, or, when scratchlm cannot use its chat template (Jinja that does not parse, or that refuses
+    a plain conversation), the same tokenizer without it: the model is imported as a base model, with a
+    warning naming the reason, rather than as a chat model on which every conversation would fail. Without
+    jinja2 a foreign template cannot be tried here and is kept."""
+    foreign = tokenizer.chat_template != JINJA  # scratchlm's own template is Python: no jinja2 needed
+    if tokenizer.chat_template is None or (foreign and importlib.util.find_spec("jinja2") is None):
+        return tokenizer
+    try:
+        chat_template(tokenizer)
+    except ScratchlmError as e:
+        console.print(f"warning: the chat template of {source} cannot be used ({e}); imported without it")
+        return Tokenizer(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+    return tokenizer

@@ -74,9 +74,7 @@ class Tokenizer:
     """A byte-level BPE tokenizer: `vocab` maps ids to byte strings, `merges` lists the merges in creation order.
 
     Special tokens not in `vocab` are added with the next free ids. Every merge must join two tokens of the
-    vocabulary into a third. `chat_template` is a chat model's template (Jinja source, `scratchlm.chat`); it
-    travels with the tokenizer and does not change how text is encoded.
-    """
+    vocabulary into a third. `chat_template`: a chat model's (Jinja, `scratchlm.chat`), carried along."""
 
     def __init__(
         self,
@@ -134,8 +132,7 @@ class Tokenizer:
             raise ScratchlmError(f"{directory}: {e}") from None
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write `vocab.json`, `merges.txt`, `special_tokens.json` and the chat template, if any, into
-        `directory` (atomically)."""
+        """Write the tokenizer's files (`save_tokenizer`) into `directory`, atomically."""
         return save_tokenizer(directory, self.vocab, self.merges, self.special_tokens, self.chat_template)
 
     def __reduce__(self) -> tuple:
@@ -188,16 +185,12 @@ class Tokenizer:
         """The token ids of `text`, where the text of a special token becomes that token."""
         ids: list[int] = []
         for piece, is_special in split_on_special_tokens(text, self._special_re):
-            if is_special:
-                ids.append(self._special_ids[piece])
-            else:
-                ids.extend(self.encode_ordinary(piece))
+            ids += [self._special_ids[piece]] if is_special else self.encode_ordinary(piece)
         return ids
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """The token ids of `text` read as ordinary text: the text of a special token is encoded as its
-        characters, never as the token. What a user types into a chat is encoded this way, so that typing
-        `<|user|>` cannot forge a turn."""
+        """The ids of `text` as ordinary text, special tokens' text included: how a chat encodes what a user
+        types, who must not forge a turn by typing `<|user|>`."""
         # All C-level while the cache is warm: find the pre-tokens, look each one up, flatten.
         # (`isascii` costs nothing: CPython records it when it builds the string.)
         pretokens = (ASCII_PRETOKEN_RE if text.isascii() else PRETOKEN_RE).findall(text)

@@ -12,8 +12,8 @@
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
-    [sft]         base, train, valid, valid_fraction: supervised fine-tuning on conversations
-                  (scratchlm.chat.sft), which replaces [data]
+    [sft]         base, train, valid, valid_fraction, added_tokens: fine-tuning on conversations, which
+                  replaces [data] (scratchlm.chat.sft: the section beside what it configures)
 
 Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`,
 the value read as a TOML literal, or as a plain string when it is not one: `training.device=cuda`) is checked
@@ -35,11 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from scratchlm.chat.sft import SFTConfig
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import to_toml, toml_value
 from scratchlm.model.config import ModelConfig
 from scratchlm.precisions import Precision
 from scratchlm.training.optimizers import OptimizerConfig
+from scratchlm.training.recipes import merged
 from scratchlm.training.schedule import ScheduleConfig
 
 
@@ -95,17 +97,6 @@ class LoggingConfig:
     peak_tflops: float = 0.0  # accelerator peak for the MFU estimate; 0: look it up for known GPUs
 
 
-@dataclass(frozen=True)
-class SFTConfig:
-    base: str = ""  # the run (or checkpoint) fine-tuned: one of train or import-hf
-    train: str = ""  # conversations, JSONL in OpenAI's messages format; set: a fine-tuning run
-    valid: str = ""  # held-out conversations; "": the last valid_fraction of train's
-    valid_fraction: float = 0.05
-    # Filled in by `scratchlm sft`, the run's record of it: the chat template's special tokens the base's
-    # tokenizer lacked, added with the next free ids, their embedding (and head) rows the mean of the others.
-    added_tokens: tuple[str, ...] = ()
-
-
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -140,15 +131,10 @@ class TrainConfig:
     ) -> TrainConfig:
         """Defaults (the dataclasses', then `defaults`: a command's own, such as fine-tuning's), then the TOML
         file at `path` (if any), then the `section.key=value` overrides."""
-        values: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (defaults or {}).items()}
-        source = "config"
+        values, source = merged(defaults or {}, {}), "config"
         if path is not None:
-            path = Path(path)
-            source = str(path)
-            for section, settings in read_toml(path).items():
-                values[section] = (
-                    values.get(section, {}) | settings if isinstance(settings, dict) else settings
-                )
+            path, source = Path(path), str(path)
+            values = merged(values, read_toml(path))
         for override in overrides:
             section, key, value = parse_override(override)
             _build_section(section, SECTIONS.get(section), {key: value}, f"--set {override}", construct=False)
@@ -178,12 +164,7 @@ class TrainConfig:
         """Checks across keys (types are checked when reading)."""
         t = self.training
         if self.sft.train:
-            if not self.sft.base:
-                raise ScratchlmError(f"{source}: sft.base is required (the run to fine-tune)")
-            if not 0 < self.sft.valid_fraction < 1:
-                raise ScratchlmError(
-                    f"{source}: sft.valid_fraction must lie in (0, 1), got {self.sft.valid_fraction!r}"
-                )
+            self.sft.check(source)
         else:
             for key in ("train", "valid"):
                 if not getattr(self.data, key):

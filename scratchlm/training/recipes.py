@@ -42,8 +42,11 @@ RECIPES: dict[str, Recipe] = {"spec": HANDOUT, "fast": FAST}
 
 
 def merged(base: Recipe, changes: Recipe) -> Recipe:
-    """`base` with the keys of `changes` set, section by section (a copy: neither argument is changed)."""
+    """`base` with the keys of `changes` set, section by section (a copy: neither argument is changed); a
+    value that is not a table (a mistake the config's checks name) replaces the section whole."""
     result = copy.deepcopy(base)
     for section, values in changes.items():
-        result[section] = result.get(section, {}) | copy.deepcopy(values)
+        kept = result.get(section, {})
+        both = isinstance(kept, dict) and isinstance(values, dict)
+        result[section] = kept | copy.deepcopy(values) if both else copy.deepcopy(values)
     return result

@@ -177,9 +177,8 @@ class _Run:
         self.elapsed_before = progress.elapsed_s
         self.committed_rng = self.generator.bit_generator.state  # the sampling state after `self.step` steps
         self.in_update = False
-        self.report = Reporter(
-            self.config, self.dist, self.run_dir, self.choices, self.data.train.tokens_per_row
-        )
+        per_row = session.data.train.tokens_per_row  # tokens a sequence of the batch holds
+        self.report = Reporter(self.config, self.dist, self.run_dir, self.choices, per_row)
         self.tokens_per_step = self.report.tokens_per_step
         self.start_step = self.step  # what this session has seen so far; `run` starts the clock
         self.stop = StopRequest(self.dist.enabled)
