@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +188,17 @@ def test_an_imported_model_is_fine_tuned_too(base_and_data, tmp_path):
     summary = train(config)
     assert summary.steps == 4 and summary.final_val_loss is not None
     assert isinstance(chat_template(load_trained(root / "from-import").tokenizer), ChatTemplate)
+
+
+def test_the_example_config_reads_as_documented(base_and_data):
+    """configs/chat-sft.toml: its settings over fine-tuning's defaults, the model the base's."""
+    from scratchlm.chat.sft import SFT_DEFAULTS, sft_config
+
+    root, base = base_and_data
+    example = Path(__file__).resolve().parent.parent / "configs" / "chat-sft.toml"
+    paths = {"sft.base": base, "sft.train": root / "train.jsonl", "sft.valid": root / "valid.jsonl"}
+    config = sft_config(example, [f"{key}={json.dumps(str(value))}" for key, value in paths.items()])
+    assert (config.optimizer.lr, config.optimizer.min_lr, config.training.max_time_s) == (8e-3, 8e-4, 180)
+    assert config.training.batch_size == SFT_DEFAULTS["training"]["batch_size"]
+    base_model = load_trained(base).model.config
+    assert config.model == dataclasses.replace(base_model, vocab_size=config.model.vocab_size)
