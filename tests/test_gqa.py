@@ -55,7 +55,10 @@ def test_kv_cache_stores_only_the_kv_heads_and_equals_full_forward():
     cache = model.new_kv_cache(batch_size=3)
     pieces = [model(tokens[:, :7], kv_cache=cache)]
     pieces += [model(tokens[:, t : t + 1], kv_cache=cache) for t in range(7, 20)]
-    assert cache.layers[0].keys.shape == cache.layers[0].values.shape == (3, 2, 20, 8)
+    layer = cache.layers[0]  # the whole window, preallocated, 20 positions of it filled: 2 heads, not 4
+    assert (
+        layer.keys.shape == layer.values.shape == (3, 2, model.config.context_length, 8) and layer.seen == 20
+    )
     torch.testing.assert_close(torch.cat(pieces, dim=1), model(tokens), atol=1e-5, rtol=1e-4)
 
 
