@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,11 +19,17 @@ import pytest
 import torch
 from interop_helpers import make_run, scratch_model, small_tokenizer
 
-from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, Message, chat_template, with_chat_tokens
+from scratchlm.chat.template import (
+    ChatTemplate,
+    JinjaChatTemplate,
+    Message,
+    chat_template,
+    end_ids,
+    with_chat_tokens,
+)
 from scratchlm.generation.generate import generate, generate_stream
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.serving.api import engine_stop_ids
 from scratchlm.serving.engine import Engine
 from scratchlm.serving.server import build_server
 from scratchlm.tokenizer import END_OF_TEXT
@@ -36,7 +45,7 @@ class Running:
     def __init__(self, trained, name: str, api_key: str | None = None, **engine_options) -> None:
         self.model, self.tokenizer, self.name = trained.model, trained.tokenizer, name
         self.eos_id = self.tokenizer.token_id(END_OF_TEXT)
-        engine_options.setdefault("stop_ids", engine_stop_ids(self.tokenizer))
+        engine_options.setdefault("stop_ids", end_ids(self.tokenizer))
         self.engine = Engine(self.model, self.eos_id, **engine_options)
         self.engine.start()
         self.server = build_server(self.engine, self.tokenizer, name, port=0, api_key=api_key)
@@ -98,6 +107,48 @@ def request(
         connection.close()
 
 
+def serve_command(run_dir: Path, *options: str) -> tuple[subprocess.Popen, str]:
+    """`scratchlm serve --run RUN_DIR --port P *options` started as a process, once it answers `/info`: the
+    process (stdout and stderr together, as text) and its URL. The caller stops it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    command = [
+        sys.executable,
+        "-m",
+        "scratchlm",
+        "serve",
+        "--run",
+        str(run_dir),
+        "--port",
+        str(port),
+        *options,
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if request(url, "GET", "/info").status_code == 200:
+                    return process, url
+            except OSError:
+                time.sleep(0.1)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+
+
+def run_lm_eval(*arguments: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m lm_eval ARGUMENTS --log_samples` offline (the tests' tasks are local), which must succeed."""
+    command = [sys.executable, "-m", "lm_eval", *arguments, "--log_samples"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
 def log_softmax_oracle(server, ids: list[int]) -> tuple[list[float], list[int]]:
     """Each token's log-probability given those before it, and the most likely token at each position."""
     with torch.no_grad():
@@ -105,10 +156,9 @@ def log_softmax_oracle(server, ids: list[int]) -> tuple[list[float], list[int]]:
     return [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))], logprobs.argmax(-1).tolist()
 
 
-def tiny_run(directory: Path, context: int, seed: int, **model) -> Path:
-    """A run directory holding a tiny random model (2 layers, d_model 32, 4 heads) and the small tokenizer."""
-    tokenizer = small_tokenizer()
-    config = ModelConfig(
+def tiny_config(tokenizer: Tokenizer, context: int, **model) -> ModelConfig:
+    """A tiny model (2 layers, d_model 32, 4 heads) over `tokenizer`'s vocabulary."""
+    return ModelConfig(
         vocab_size=tokenizer.vocab_size,
         context_length=context,
         d_model=32,
@@ -116,7 +166,12 @@ def tiny_run(directory: Path, context: int, seed: int, **model) -> Path:
         num_heads=4,
         **model,
     )
-    return make_run(directory, scratch_model(config, seed=seed), tokenizer)
+
+
+def tiny_run(directory: Path, context: int, seed: int, **model) -> Path:
+    """A run directory holding a tiny random model (`tiny_config`) and the small tokenizer."""
+    tokenizer = small_tokenizer()
+    return make_run(directory, scratch_model(tiny_config(tokenizer, context, **model), seed=seed), tokenizer)
 
 
 # Conversations whose greedy replies choose the token that a `chat_run`'s model ends its turns with.
@@ -143,15 +198,7 @@ def chat_run(directory: Path, context: int, seed: int, tokenizer: Tokenizer | No
     carrying scratchlm's chat template, its chat tokens added), and a model over its vocabulary that ends its
     turns with the template's end-of-turn token (`turn_ending`)."""
     tokenizer = tokenizer or with_chat_tokens(small_tokenizer())[0]
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        context_length=context,
-        d_model=32,
-        num_layers=2,
-        num_heads=4,
-        **model,
-    )
-    chat_model = scratch_model(config, seed=seed)
+    chat_model = scratch_model(tiny_config(tokenizer, context, **model), seed=seed)
     template = chat_template(tokenizer)
     (end,) = template.stop_ids - {tokenizer.eos_id}
     turn_ending(chat_model, template, end)

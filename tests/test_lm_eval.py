@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ pytest.importorskip("lm_eval", reason="lm_eval not installed (pip install 'scrat
 pytest.importorskip("starlette", reason="starlette not installed (pip install 'scratchlm[serve]')")
 pytest.importorskip("openai", reason="openai not installed (the test oracle)")
 from interop_helpers import run_cli  # noqa: E402
-from serve_helpers import Running, tiny_run  # noqa: E402
+from serve_helpers import Running, run_lm_eval, tiny_run  # noqa: E402
 
 from scratchlm.generation.generate import generate_stream  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
@@ -181,18 +179,13 @@ def test_lm_eval_scores_the_server_with_its_defaults(trained, tasks_dir, tmp_pat
     server = Running(trained, "tiny-run")
     try:
         out = tmp_path / "out"
-        command = [
-            sys.executable, "-m", "lm_eval",
+        done = run_lm_eval(
             "--model", "local-completions",
             "--model_args", f"base_url={server.url}/v1/completions,model=tiny-run,max_length={CONTEXT}",
             "--tasks", ",".join(TASKS),
             "--include_path", str(tasks_dir),
             "--output_path", str(out),
-            "--log_samples",
-        ]  # fmt: skip
-        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        )  # fmt: skip
         assert "remote tokenizer" in done.stderr.lower()  # found by itself, not named
     finally:
         server.close()

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import html.parser
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +26,9 @@ from serve_helpers import (  # noqa: E402
     Running,
     chromium_driver,
     connect,
-    free_port,
     log_softmax_oracle,
     request,
+    serve_command,
     tiny_run,
 )
 
@@ -438,36 +436,8 @@ def test_the_command_serves_and_sigterm_stops_it_cleanly(tmp_path) -> None:
         vocab_size=tokenizer.vocab_size, context_length=1024, d_model=64, num_layers=2, num_heads=4
     )
     run = make_run(tmp_path / "medium", scratch_model(config), tokenizer)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "scratchlm",
-            "serve",
-            "--run",
-            str(run),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    process, url = serve_command(run, "--device", "cpu")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if request(url, "GET", "/info").status_code == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
         body = {"model": "medium", "prompt": "Once", "max_tokens": 1000, "temperature": 1.0, "stream": True}
         events = []
         connection = connect(url)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,8 +26,9 @@ from serve_helpers import (  # noqa: E402
     Running,
     chat_run,
     chromium_driver,
-    free_port,
     request,
+    run_lm_eval,
+    serve_command,
     tiny_run,
 )
 
@@ -369,21 +368,8 @@ def test_an_engine_that_would_not_end_turns_is_refused(run_dir) -> None:
 def test_the_command_serves_a_chat_run(server, run_dir) -> None:
     """`scratchlm serve` of a chat run (fp32, set explicitly): it says it serves chat, and its replies end at
     the end of the turn, as the oracle's."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    command = [sys.executable, "-m", "scratchlm", "serve", "--run", str(run_dir), "--port", str(port),
-               "--device", "cpu", "--precision", "fp32"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process, url = serve_command(run_dir, "--device", "cpu", "--precision", "fp32")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if request(url, "GET", "/info").status_code == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
         for messages in CONVERSATIONS[:3]:
             choice = client.chat.completions.create(
@@ -419,19 +405,15 @@ def test_lm_eval_local_chat_completions_gets_the_replies(server, tmp_path) -> No
         "metric_list:\n  - metric: exact_match\n"
     )
     out = tmp_path / "out"
-    command = [
-        sys.executable, "-m", "lm_eval",
+    run_lm_eval(
         "--model", "local-chat-completions",
         "--model_args", f"base_url={server.url}/v1/chat/completions,model={NAME}",
         "--apply_chat_template",
         "--tasks", "chat_task",
         "--include_path", str(tmp_path),
         "--output_path", str(out),
-        "--log_samples",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        timeout=300,
+    )  # fmt: skip
     samples = [
         json.loads(line) for line in next(out.rglob("samples_chat_task_*.jsonl")).read_text().splitlines()
     ]

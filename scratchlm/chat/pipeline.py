@@ -27,11 +27,10 @@ from scratchlm.chat.conversations import (
     write_conversations,
 )
 from scratchlm.chat.sft import sft_config
-from scratchlm.chat.tasks import build_tasks, exact_match
+from scratchlm.chat.tasks import build_tasks, exact_match, greedy_reply
 from scratchlm.chat.template import ChatTemplate, Message, chat_template, with_chat_tokens
 from scratchlm.console import console
 from scratchlm.device import plan
-from scratchlm.generation.generate import generate
 from scratchlm.model.loss import IGNORE, cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import RunDirectory, StopReason, load_trained
@@ -144,10 +143,7 @@ def show_conversation(model: TransformerLM, template: ChatTemplate) -> None:
     messages: list[Message] = []
     for question in SHOWN:
         messages.append(Message("user", question))
-        prompt = template.encode(messages)
-        budget = max(0, model.config.context_length - len(prompt))
-        reply = generate(model, prompt, budget, temperature=0, stop_ids=template.stop_ids)
-        text = template.tokenizer.decode([t for t in reply if t not in template.stop_ids])
+        text = greedy_reply(model, template, messages)
         messages.append(Message("assistant", text))
         # `out`: the text as it is, never read as markup
         console.out(f"user:      {question}")

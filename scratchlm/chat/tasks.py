@@ -98,20 +98,21 @@ def build_tasks(
     return train, test
 
 
+def greedy_reply(
+    model: TransformerLM, template: ChatTemplate | JinjaChatTemplate, messages: list[Message]
+) -> str:
+    """The model's greedy answer to `messages`, up to its end of turn or the end of the context (the model runs
+    in the dtype of its weights, under any autocast the caller has entered)."""
+    prompt = template.encode(messages, add_generation_prompt=True)
+    budget = max(0, model.config.context_length - len(prompt))
+    answer = generate(model, prompt, max_new_tokens=budget, temperature=0, stop_ids=template.stop_ids)
+    return template.tokenizer.decode([t for t in answer if t not in template.stop_ids])
+
+
 def exact_match(
     model: TransformerLM, template: ChatTemplate | JinjaChatTemplate, conversations: list[list[Message]]
 ) -> float:
     """The share of conversations whose last assistant message the model reproduces exactly, answering the
-    conversation before it greedily (the model runs in the dtype of its weights, under any autocast the
-    caller has entered)."""
-    right = 0
-    for messages in conversations:
-        prompt = template.encode(messages[:-1], add_generation_prompt=True)
-        budget = model.config.context_length - len(prompt)
-        answer = generate(
-            model, prompt, max_new_tokens=max(budget, 0), temperature=0, stop_ids=template.stop_ids
-        )
-        if answer and answer[-1] in template.stop_ids:
-            answer = answer[:-1]
-        right += template.tokenizer.decode(answer) == messages[-1].content
+    conversation before it greedily."""
+    right = sum(greedy_reply(model, template, c[:-1]) == c[-1].content for c in conversations)
     return right / len(conversations)

@@ -178,6 +178,15 @@ def chat_template(tokenizer: Tokenizer) -> ChatTemplate | JinjaChatTemplate | No
     return JinjaChatTemplate(tokenizer, tokenizer.chat_template)
 
 
+def end_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids at which what a model writes ends: `<|endoftext|>` (a document's end) and, for a chat model,
+    its template's end of turn. Generation, the server's engine and the exports' generation settings all
+    stop here."""
+    template = chat_template(tokenizer)
+    turn_ends = template.stop_ids if template is not None else frozenset()
+    return turn_ends | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
+
+
 def with_chat_tokens(tokenizer: Tokenizer) -> tuple[Tokenizer, list[str]]:
     """`tokenizer` carrying scratchlm's chat template, with the template's special tokens it lacked added
     (the next free ids); returns it and the tokens added."""

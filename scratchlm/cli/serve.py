@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> None:
         raise ScratchlmError(
             f"serving needs Starlette and uvicorn ({e.name} is not installed): pip install 'scratchlm[serve]'"
         ) from None
+    from scratchlm.chat.template import end_ids
     from scratchlm.console import console
-    from scratchlm.serving.api import engine_stop_ids
     from scratchlm.serving.engine import Engine
 
     if args.max_batch < 1 or args.max_queue < 1:
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> None:
         tokenizer.eos_id,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
-        stop_ids=engine_stop_ids(tokenizer),
+        stop_ids=end_ids(tokenizer),
     )
     server = build_server(engine, tokenizer, name, args.host, args.port, args.api_key)
     engine.start()

@@ -179,12 +179,10 @@ def stop_ids(tokenizer: Tokenizer) -> list[int]:
     (a document's end, and the id a format's one end-of-sequence field holds), then a chat model's end of
     turn (`scratchlm.chat`), so that a reader's generation stops where scratchlm's does. Empty when the
     tokenizer has neither."""
-    from scratchlm.chat.template import chat_template
+    from scratchlm.chat.template import end_ids
 
-    template = chat_template(tokenizer)
     eos = tokenizer.eos_id
-    turn_ends = sorted(template.stop_ids - {eos}) if template is not None else []
-    return ([eos] if eos is not None else []) + turn_ends
+    return ([eos] if eos is not None else []) + sorted(end_ids(tokenizer) - {eos})
 
 
 def require(module: str) -> ModuleType:

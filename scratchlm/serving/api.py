@@ -311,13 +311,6 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
-def engine_stop_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """The ids besides end-of-text at which the engine must end a sequence to serve this tokenizer's model: a
-    chat model's end of turn (none for a base model)."""
-    template = chat_template(tokenizer)
-    return frozenset() if template is None else template.stop_ids
-
-
 def _chat_template(engine: Engine, tokenizer: Tokenizer) -> ChatTemplate | JinjaChatTemplate | None:
     """The template the chat API applies (None: a base model), checked against the engine: an engine that
     would not stop at the end of a turn would let the model go on to write the user's next message."""
@@ -325,7 +318,7 @@ def _chat_template(engine: Engine, tokenizer: Tokenizer) -> ChatTemplate | Jinja
     if template is not None and not template.stop_ids <= engine.stop_ids:
         raise ScratchlmError(
             "the engine of a chat model must stop at its end-of-turn token: "
-            "Engine(..., stop_ids=engine_stop_ids(tokenizer))"
+            "Engine(..., stop_ids=end_ids(tokenizer))"
         )
     return template
 

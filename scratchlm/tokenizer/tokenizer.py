@@ -185,16 +185,17 @@ class Tokenizer:
         """The token ids of `text`, where the text of a special token becomes that token."""
         ids: list[int] = []
         for piece, is_special in split_on_special_tokens(text, self._special_re):
-            ids += [self._special_ids[piece]] if is_special else self.encode_ordinary(piece)
+            ids.extend((self._special_ids[piece],) if is_special else self._ordinary(piece))
         return ids
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """The ids of `text` as ordinary text, special tokens' text included: how a chat encodes what a user
-        types, who must not forge a turn by typing `<|user|>`."""
-        # All C-level while the cache is warm: find the pre-tokens, look each one up, flatten.
-        # (`isascii` costs nothing: CPython records it when it builds the string.)
+        """The ids of `text` as plain text, special tokens' text included (a chat user's, who can't forge a turn)."""
+        return list(self._ordinary(text))
+
+    def _ordinary(self, text: str) -> Iterator[int]:
+        # All C-level while the cache is warm: findall, dict lookups, chain (`isascii` is recorded by CPython).
         pretokens = (ASCII_PRETOKEN_RE if text.isascii() else PRETOKEN_RE).findall(text)
-        return list(itertools.chain.from_iterable(map(self._cache.__getitem__, pretokens)))
+        return itertools.chain.from_iterable(map(self._cache.__getitem__, pretokens))
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Ids of the concatenation of `iterable` (e.g. an open text file), produced lazily in bounded memory.
@@ -207,8 +208,7 @@ class Tokenizer:
             yield from self.encode(chunk)
 
     def safe_chunks(self, pieces: Iterable[str], chunk_chars: int) -> Iterator[str]:
-        """Regroup `pieces` into chunks of about `chunk_chars` characters or more whose encodings, concatenated,
-        are the encoding of the whole text (each chunk ends at a `safe_cut`)."""
+        """`pieces` regrouped into chunks of about `chunk_chars` characters or more, each ending at a `safe_cut`."""
         return regroup(pieces, chunk_chars, self.safe_cut)
 
     def safe_cut(self, text: str) -> int:

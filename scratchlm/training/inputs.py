@@ -16,9 +16,10 @@ from scratchlm.training.step import Batches
 
 @dataclass(frozen=True)
 class TrainingData:
-    """What a run reads: the training and validation tokens (memory-mapped, checked against the model's
-    vocabulary) and the tokenizer of `data.tokenizer`, if set, checked against the model and against the copy
-    in the run directory, which a resumed run must not change."""
+    """What a run reads: its training and validation batches (windows of memory-mapped tokens checked against
+    the model's vocabulary, or conversations) and its tokenizer (`data.tokenizer`, if set, or the base's with
+    the chat template), checked against the model and the copy in the run directory, which a resumed run must
+    not change."""
 
     train: Batches
     valid: Batches
