@@ -266,7 +266,8 @@ def test_serving_at_every_precision(run_dir, precision):
     plan(CPU, precision, threads=1).for_inference(trained.model)
     server = Running(trained, "tiny")
     try:
-        assert server.engine.cache.layers[0].keys.dtype == next(trained.model.parameters()).dtype
+        # The cache holds what a decode step attends in: float32 on a CPU whatever the weights' dtype.
+        assert server.engine.cache.layers[0].keys.dtype == torch.float32
         model, tokenizer = server.model, server.tokenizer
 
         def complete(prompt: str) -> list[int]:

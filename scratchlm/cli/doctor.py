@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> None:
     table.add_row(
         "fused loss", f"{'on' if choices.fused_loss.value else 'off'} ({choices.fused_loss.reason})"
     )
+    table.add_row("token × matrix", f"{choices.matvec.value} ({choices.matvec.reason})")
     peak = choices.peak_flops.value
     table.add_row(
         "MFU peak", f"{'' if peak is None else f'{peak / 1e12:,.1f} TFLOP/s '}({choices.peak_flops.reason})"

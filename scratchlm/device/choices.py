@@ -193,6 +193,25 @@ def choose_fused_loss(requested: str, device: torch.device) -> Choice:
     return Choice(on, "a GPU: the logits' memory is saved" if on else "unfused is faster off a GPU")
 
 
+MATVEC_GAIN = 1.2  # how much faster than the default way another must measure before inference takes it
+
+
+def choose_matvec(profile: DeviceProfile, precision: str) -> Choice:
+    """How inference runs a token times a weight matrix (`profile.MATVEC_WAYS`): the way that measured fastest
+    at `precision`, if at least `MATVEC_GAIN` times faster than "rows" (the parameters' layout, the default
+    kernels). On an AVX-512-BF16 EPYC: fp32 12 GB/s by rows, 22 by columns (the BLAS's kernel for the
+    transposed product is the slow one); bf16 15 GB/s with oneDNN, 29 with PyTorch's own kernel, which
+    reaches the memory bandwidth. The values are the same every way; only the memory order or the kernel
+    differs."""
+    rates = profile.matvec_gbps.get(precision)
+    if not rates:
+        return Choice("rows", f"no matrix-vector rates measured at {precision}: the default")
+    fastest = max(rates, key=rates.__getitem__)
+    way = fastest if rates[fastest] >= MATVEC_GAIN * rates["rows"] else "rows"
+    measured = ", ".join(f"{name} {rate:g}" for name, rate in rates.items())
+    return Choice(way, f"a token times a {precision} matrix, GB/s: {measured}", measured=True)
+
+
 # Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets. fp16 and
 # bf16 run on the same tensor cores; a GPU without fast bf16 lists fp16 only.
 PEAK_FLOPS: dict[tuple[str, str], float] = {

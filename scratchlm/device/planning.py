@@ -11,7 +11,9 @@ code that runs the model needs to know:
     loss_scaling   whether gradients need dynamic loss scaling (fp16: `scratchlm.training.loss_scale`)
     fused_loss     the LM head and loss over chunks of tokens (`scratchlm.model.loss`)
     peak_flops     what MFU divides by
-    for_inference  a model with its weights held in `dtype`, in eval mode
+    matvec         how inference runs a token times a weight matrix (its wide matrices held by columns, or
+                   one-token steps without oneDNN): whichever way measured fastest here
+    for_inference  a model with its weights held in `dtype`, in eval mode, its stackable matrices stacked
 
 Inference holds the weights in the compute dtype rather than casting float32 weights at every matmul:
 decoding a token reads every weight once, so its speed is bound by memory bandwidth, and bf16 weights halve
@@ -33,9 +35,12 @@ from scratchlm.device.choices import (
     choose_fused_loss,
     choose_peak_flops,
     choose_threads,
+    choose_matvec,
     resolve_precision,
 )
 from scratchlm.device.profile import DTYPES, DeviceProfile, device_profile
+from scratchlm.model.layers import lay_out_for_inference
+from scratchlm.model.transformer import TransformerLM
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Plan:
     compile: Choice  # bool
     fused_loss: Choice  # bool
     peak_flops: Choice  # FLOP/s, or None where unknown
+    matvec: Choice  # one of `MATVEC_WAYS`: how inference runs a token times a weight matrix
     warnings: tuple[str, ...] = ()
 
     @property
@@ -66,12 +72,16 @@ class Plan:
         return torch.autocast(device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def for_inference(self, model: nn.Module) -> nn.Module:
-        """`model` in eval mode with its parameters held in `dtype` (in place; returned for chaining). Buffers
-        are left as they are: RoPE's cosines and sines keep float32, and each rotation is rounded once."""
+        """`model` in eval mode with its parameters held in `dtype`, the matrices that read the same input
+        stacked into one (`LinearStack`), and `matvec`'s way applied, in place; returned for chaining. Buffers are left as they are: RoPE's
+        cosines and sines keep float32, and each rotation is rounded once."""
         model.eval()
         for parameter in model.parameters():
             if parameter.is_floating_point() and parameter.dtype != self.dtype:
                 parameter.data = parameter.data.to(self.dtype)
+        lay_out_for_inference(model, wide_by_columns=self.matvec.value == "columns")
+        if isinstance(model, TransformerLM):
+            model.one_token_without_onednn = self.matvec.value == "rows_no_onednn"
         return model
 
     def summary(self) -> str:
@@ -88,7 +98,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """What a run records and `scratchlm doctor --json` prints."""
-        choices = ("precision", "threads", "compile", "fused_loss", "peak_flops")
+        choices = ("precision", "threads", "compile", "fused_loss", "peak_flops", "matvec")
         return {
             "device": self.device,
             "profile": self.profile.to_dict(),
@@ -130,5 +140,6 @@ def plan(
         compile_choice,
         choose_fused_loss(fused_loss, device),
         choose_peak_flops(profile, precision_choice.value, peak_tflops),
+        choose_matvec(profile, precision_choice.value),
         tuple(warnings),
     )

@@ -1,7 +1,8 @@
 """What the device can do, measured: the facts scratchlm's choices of precision, threads and compilation rest on.
 
     DeviceProfile    the device's name and relevant capabilities, and its measured rates:
-                     matmul GFLOP/s in fp32 and bf16 (and fp16 on a GPU), memory bandwidth in GB/s
+                     matmul GFLOP/s in fp32 and bf16 (and fp16 on a GPU), memory bandwidth in GB/s, and
+                     how fast a token times a weight matrix runs each way it can (`MATVEC_WAYS`)
     usable_cores     the cores this process may run on: its CPU affinity, capped by a cgroup CPU quota
     busy_cores       how many of those other processes keep busy right now (from /proc/stat)
     compiler_found   whether torch.compile can generate code here (a C++ compiler on a CPU, Triton on CUDA)
@@ -58,9 +59,10 @@ CPU_MATMUL_SIZE = 512
 GPU_MATMUL_SIZE = 4096
 BUSY_NOT_CACHED = 0.5  # cores kept busy by other processes above which a measurement is not cached
 MEASURE_SECONDS = 0.15  # each rate is timed over at least this long (or one multiplication, if slower)
+MATVEC_SECONDS = 0.05  # each matrix-vector rate: dozens of passes over its matrices on a CPU
 # The dtype of each precision (`scratchlm.precisions`): a profile measures the matmul rate of every one.
 DTYPES = {precision: getattr(torch, name) for precision, name in DTYPE_NAMES.items()}
-CACHE_VERSION = 2  # 2: fp16 is measured on CPUs too
+CACHE_VERSION = 3  # 2: fp16 is measured on CPUs too; 3: matrix-vector rates by weight layout
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class DeviceProfile:
     )
     matmul_gflops: dict[str, float] = field(default_factory=dict)  # dtype name -> measured rate
     memory_gbps: float = 0.0  # measured copy bandwidth (read + write)
+    # dtype name -> {way: GB/s}: a token times wide matrices, each of the `MATVEC_WAYS`
+    matvec_gbps: dict[str, dict[str, float]] = field(default_factory=dict)
     gpu_memory_gib: float | None = None
     compute_capability: str | None = None  # CUDA: "9.0"
     torch_version: str = torch.__version__
@@ -305,16 +309,59 @@ def memory_gbps(device: torch.device, mib: int = 256) -> float:
     return 2 * source.numel() * 4 * reps / elapsed / 1e9
 
 
+# The ways a token times a weight matrix can run (`DeviceProfile.matvec_gbps`, `choices.choose_matvec`): the
+# matrix held by rows (the parameters' layout) or by columns (`W.T` contiguous), and by rows with PyTorch's
+# own kernels instead of oneDNN's (which PyTorch uses for bf16 where the CPU has native bf16).
+MATVEC_WAYS = ("rows", "columns", "rows_no_onednn")
+
+
+def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int = 64) -> float:
+    """Measured rate of one token times wide matrices, `x @ W.T` with `W` of (2048, 512) in `dtype`, run the
+    `MATVEC_WAYS` way `way`, in GB/s of weights read: decoding's product, whose speed on a CPU depends on the
+    layout and the library (each picks a different kernel). The matrices add up to `mib` MiB, more than a
+    CPU's caches hold, as a model's weights do."""
+    d_out, d_in = 2048, 512
+    count = max(1, mib * 2**20 // (d_out * d_in * dtype.itemsize))
+    # Any values serve (the time of a product does not depend on them, short of subnormals): filled, not drawn.
+    block = torch.full((count, d_out, d_in), 0.01, dtype=dtype, device=device)
+    if way == "columns":
+        block = block.transpose(1, 2).contiguous().transpose(1, 2)
+    matrices = list(block)
+    x = torch.full((1, d_in), 0.5, dtype=dtype, device=device)
+    onednn = torch.backends.mkldnn  # a process-wide switch (its `flags()` context warns on every CPU)
+    enabled, onednn.enabled = onednn.enabled, way != "rows_no_onednn"
+    try:
+        for w in matrices:  # warm-up
+            x @ w.T
+        _synchronize(device)
+        passes, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < MATVEC_SECONDS or passes < 1:
+            for w in matrices:
+                x @ w.T
+            _synchronize(device)
+            passes += 1
+    finally:
+        onednn.enabled = enabled
+    return count * d_out * d_in * dtype.itemsize * passes / elapsed / 1e9
+
+
 def measure(device: torch.device) -> DeviceProfile:
     """The device's profile, measured now (about a second)."""
     identity = _identity(device)
-    rates = {}
+    rates: dict[str, float] = {}
+    layouts: dict[str, dict[str, float]] = {}
     for name, dtype in DTYPES.items():
         try:
             rates[name] = round(matmul_gflops(device, dtype), 2)
+            layouts[name] = {way: round(matvec_gbps(device, dtype, way), 1) for way in MATVEC_WAYS}
         except (RuntimeError, TypeError):  # a dtype the device does not multiply at all
             rates[name] = 0.0
-    return DeviceProfile(**identity, matmul_gflops=rates, memory_gbps=round(memory_gbps(device), 1))
+    return DeviceProfile(
+        **identity,
+        matmul_gflops=rates,
+        memory_gbps=round(memory_gbps(device), 1),
+        matvec_gbps=layouts,
+    )
 
 
 # -- the per-machine cache ----------------------------------------------------------------------------------

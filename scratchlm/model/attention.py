@@ -20,8 +20,8 @@ from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
-from scratchlm.model.kv_cache import LayerKVCache
-from scratchlm.model.layers import Linear, RMSNorm, at_least_float32
+from scratchlm.model.kv_cache import LayerKVCache, decode_dtype
+from scratchlm.model.layers import Linear, LinearStack, RMSNorm, at_least_float32
 from scratchlm.model.part import ConfigModule, Device, DType, handout_config
 from scratchlm.model.positions import position_encoding
 
@@ -216,6 +216,7 @@ class MultiHeadSelfAttention(ConfigModule):
         self.k_proj = Linear(config.d_model, kv_dim, device=device, dtype=dtype)
         self.v_proj = Linear(config.d_model, kv_dim, device=device, dtype=dtype)
         self.output_proj = Linear(config.d_model, config.d_model, device=device, dtype=dtype)
+        self.qkv = LinearStack(self.q_proj, self.k_proj, self.v_proj)  # one matmul at inference
         self.positions = position_encoding(config, device)
         # QK-norm: one gain per head dimension, shared by the heads. Queries and keys of RMS 1 bound every
         # score by sqrt(d_k) times the gains, so attention logits cannot blow up and saturate the softmax.
@@ -268,14 +269,17 @@ class MultiHeadSelfAttention(ConfigModule):
         """`value_embedding` (`config.value_embeddings`) is added to the values: each token's value then
         carries the token's identity directly, not only through the residual stream."""
         split_heads = "... seq (heads d_k) -> ... heads seq d_k"
-        q = rearrange(self.q_proj(x), split_heads, heads=self.num_heads)
-        k = rearrange(self.k_proj(x), split_heads, heads=self.num_kv_heads)
-        values = self.v_proj(x)
+        queries, keys, values = self.qkv(x)
+        q = rearrange(queries, split_heads, heads=self.num_heads)
+        k = rearrange(keys, split_heads, heads=self.num_kv_heads)
         if value_embedding is not None:  # in the projection's dtype (bfloat16 under autocast), as q and k are
             values = values + value_embedding.to(values.dtype)
         v = rearrange(values, split_heads, heads=self.num_kv_heads)
         if self.q_norm is not None:  # per token, so keys are cached normalised
             q, k = self.q_norm(q), self.k_norm(k)
+        if kv_cache is not None and q.shape[-2] == 1:  # a decode step attends in the cache's dtype
+            held = decode_dtype(q.dtype, q.device)
+            q, k, v = q.to(held), k.to(held), v.to(held)
         mask = None
         if kv_cache is not None:
             if token_positions is not None:
@@ -315,7 +319,8 @@ class MultiHeadSelfAttention(ConfigModule):
             heads = _attend(q, k.unsqueeze(-3), v.unsqueeze(-3), group_mask).flatten(-4, -3)
         else:
             heads = _attend(q, k, v, mask)
-        return self.output_proj(rearrange(heads, "... heads seq d_k -> ... seq (heads d_k)"))
+        # In the projections' dtype again (a decode step may have attended in float32).
+        return self.output_proj(rearrange(heads.to(values.dtype), "... heads seq d_k -> ... seq (heads d_k)"))
 
 
 def _attend(
@@ -325,9 +330,4 @@ def _attend(
     mask: Bool[Tensor, "... queries keys"] | None,
 ) -> Float[Tensor, "... queries d_v"]:
     """Causal attention, the queries being the last keys; or, with a mask, the keys the mask allows."""
-    if q.shape[-2] == 1 and q.dtype in (torch.bfloat16, torch.float16):
-        # A decode step: one query, so its scores and output are matrix-vector products, which cost nothing
-        # next to the projections in float32 but run slowly in bf16 on a CPU (measured on an AVX-512-BF16
-        # EPYC, 16 heads: 187 µs a product against 8.6 µs in float32).
-        return _attend(q.float(), k.float(), v.float(), mask).to(q.dtype)
     return causal_attention(q, k, v) if mask is None else scaled_dot_product_attention(q, k, v, mask)

@@ -11,7 +11,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from scratchlm.model.config import ModelConfig
-from scratchlm.model.layers import Linear
+from scratchlm.model.layers import Linear, LinearStack
 from scratchlm.model.part import Device, DType
 
 
@@ -28,9 +28,11 @@ class SwiGLU(nn.Module):
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w13 = LinearStack(self.w1, self.w3)  # one matmul at inference
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        return self.w2(silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x)
+        return self.w2(silu(gate) * up)
 
 
 class UngatedFeedForward(nn.Module):

@@ -60,6 +60,69 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+class LinearStack:
+    """Several `Linear`s that read the same input (attention's q, k and v projections; SwiGLU's W1 and W3):
+    called on `x`, the tuple of their outputs. After `fuse()` (inference, `lay_out_for_inference`) they are
+    one matmul over their weights stacked into one matrix.
+
+    Decoding a token multiplies one row by each weight matrix: one matrix-vector product over the stack pays
+    the per-call overhead once instead of once a matrix, and streams one long matrix instead of several short
+    ones. The `Linear`s keep their parameters, and the state dict its keys: each weight becomes the view of its
+    rows of the stack, so there is one copy of the weights, and writing a weight in place (loading a state
+    dict) writes the stack.
+
+    The stack is not a parameter, so it is used without autograd only; with gradients recorded (training) the
+    `Linear`s run one by one. Once a weight no longer lies in the stack (moved by `.to()`, replaced), the
+    stack is let go and the `Linear`s run one by one too."""
+
+    def __init__(self, *linears: Linear) -> None:
+        self.linears = linears
+        self.weight: Tensor | None = None
+        self._addresses: list[int] = []
+
+    def fuse(self, wide_by_columns: bool = False) -> None:
+        """Stack the weights (held by columns if the stack is wide and `wide_by_columns`)."""
+        sizes = [linear.weight.shape[0] for linear in self.linears]
+        stack = torch.cat([linear.weight.detach() for linear in self.linears])
+        self.weight = by_columns(stack) if wide_by_columns and is_wide(stack) else stack
+        for linear, rows in zip(self.linears, self.weight.split(sizes), strict=True):
+            linear.weight.data = rows
+        self._addresses = [linear.weight.data_ptr() for linear in self.linears]
+
+    def __call__(self, x: Float[Tensor, "... d_in"]) -> tuple[Float[Tensor, "... d_out"], ...]:
+        if self.weight is not None and not torch.is_grad_enabled():
+            if [linear.weight.data_ptr() for linear in self.linears] == self._addresses:
+                return (x @ self.weight.T).split([linear.out_features for linear in self.linears], dim=-1)
+            self.weight = None  # a weight has left the stack: free it
+        return tuple(linear(x) for linear in self.linears)
+
+
+def is_wide(matrix: Tensor) -> bool:
+    """More outputs than inputs (a `(out, in)` weight)."""
+    return matrix.shape[0] > matrix.shape[1]
+
+
+def by_columns(matrix: Float[Tensor, "out d_in"]) -> Float[Tensor, "out d_in"]:
+    """The same matrix, held column after column: `matrix.T` is contiguous, so `x @ matrix.T` multiplies by a
+    row-major `(in, out)` matrix."""
+    return matrix.T.contiguous().T
+
+
+def lay_out_for_inference(model: nn.Module, wide_by_columns: bool) -> None:
+    """Inference's layout of `model`'s weights (`Plan.for_inference`): every `LinearStack` fused, and, with
+    `wide_by_columns` (`Plan.matvec` "columns"), every wide matrix held by columns: the stacks and the `Linear`s
+    of no stack (the LM head). Values are unchanged; only where they lie in memory."""
+    stacked = set()
+    for module in model.modules():
+        for stack in [value for value in vars(module).values() if isinstance(value, LinearStack)]:
+            stack.fuse(wide_by_columns)
+            stacked.update(id(linear) for linear in stack.linears)
+    if wide_by_columns:
+        for module in model.modules():
+            if isinstance(module, Linear) and id(module) not in stacked and is_wide(module.weight):
+                module.weight.data = by_columns(module.weight.data)
+
+
 class Embedding(nn.Module):
     """Token id -> row of a `(num_embeddings, embedding_dim)` matrix; init `N(0, 1)` truncated at ±3."""
 

@@ -38,7 +38,7 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.attention import MultiHeadSelfAttention
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.ffn import feed_forward
-from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache
+from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache, decode_dtype
 from scratchlm.model.layers import Embedding, Linear, RMSNorm, at_least_float32
 from scratchlm.model.loss import fused_linear_cross_entropy
 from scratchlm.model.part import ConfigModule, Device, DType, handout_config
@@ -130,6 +130,11 @@ class TransformerLM(ConfigModule):
             RMSNorm(config.d_model, config.norm_eps, device, dtype) if config.norm == "pre" else None
         )
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        # Set by `Plan.for_inference` where PyTorch's own matrix-vector kernels measured faster than oneDNN's
+        # (bf16 on a CPU with native bf16: 29 GB/s against 15 on an AVX-512-BF16 EPYC): a forward pass over
+        # one token (a decode step at batch 1) then runs without oneDNN. oneDNN stays for everything else,
+        # where it is the faster by far (4 tokens and more, it is 2-8x faster on that CPU).
+        self.one_token_without_onednn = False
         if config.tie_embeddings:
             # One matrix for both ends. It takes the LM head's initialisation (std ≈ sqrt(2 / (vocab + d_model)))
             # rather than the embedding's N(0, 1): unit-variance rows would make the initial logits
@@ -166,6 +171,21 @@ class TransformerLM(ConfigModule):
         """The logits; with `targets`, instead, the mean cross-entropy loss of predicting them, computed with
         the LM head over chunks of tokens so that the logits never exist whole
         (`scratchlm.model.loss.fused_linear_cross_entropy`; equal to `cross_entropy(model(ids), targets)`)."""
+        if not (self.one_token_without_onednn and token_ids.numel() == 1):
+            return self._forward(token_ids, kv_cache, targets)
+        onednn = torch.backends.mkldnn  # a process-wide switch (its `flags()` context warns on every CPU)
+        enabled, onednn.enabled = onednn.enabled, False
+        try:
+            return self._forward(token_ids, kv_cache, targets)
+        finally:
+            onednn.enabled = enabled
+
+    def _forward(
+        self,
+        token_ids: Int[Tensor, "... seq"],
+        kv_cache: KVCache | PaddedKVCache | None,
+        targets: Int[Tensor, "... seq"] | None,
+    ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
         seq = token_ids.shape[-1]
         if seq > self.config.context_length:
             raise ScratchlmError(
@@ -241,7 +261,8 @@ class TransformerLM(ConfigModule):
 
     def new_padded_kv_cache(self, max_rows: int) -> PaddedKVCache:
         """An empty cache of `max_rows` rows of different lengths (serving), preallocated on the model's device
-        in the dtype of its weights: the dtype the model computes keys in for inference (`Plan.for_inference`)."""
+        in the dtype a decode step attends in (`decode_dtype` of the weights' dtype, the dtype the model
+        computes keys in for inference: `Plan.for_inference`)."""
         weight = self.lm_head.weight
         config = self.config
         return PaddedKVCache(
@@ -250,7 +271,7 @@ class TransformerLM(ConfigModule):
             max_rows,
             config.kv_heads,
             config.head_dim,
-            weight.dtype,
+            decode_dtype(weight.dtype, weight.device),
             weight.device,
         )
 
