@@ -181,9 +181,8 @@ def test_a_one_token_step_runs_without_onednn_and_the_switch_comes_back(monkeypa
     assert torch.backends.mkldnn.enabled
     assert onednn_during_forward(model, ids(4)[:1]) == [True]  # several tokens: oneDNN is the faster
     assert onednn_during_forward(model, ids(1)) == [True]  # two rows of one token each
-    with pytest.raises(ScratchlmError):  # a failing step gives the switch back too
-        with torch.no_grad():
-            model(ids(1)[:1], kv_cache=KVCache(2, 16, batch_size=3))
+    with pytest.raises(ScratchlmError), torch.no_grad():  # a failing step gives the switch back too
+        model(ids(1)[:1], kv_cache=KVCache(2, 16, batch_size=3))
     assert torch.backends.mkldnn.enabled
     fp32 = prepared(tiny_model(), "fp32", monkeypatch)[0]
     assert not fp32.one_token_without_onednn and onednn_during_forward(fp32, ids(1)[:1]) == [True]
@@ -205,7 +204,10 @@ def test_a_decode_step_attends_in_float32_on_a_cpu_and_in_its_own_dtype_elsewher
     cuda = torch.device("cuda")  # a device type only: nothing is allocated on it
     assert decode_dtype(torch.bfloat16, CPU) == decode_dtype(torch.float16, CPU) == torch.float32
     assert decode_dtype(torch.float32, CPU) == torch.float32
-    assert decode_dtype(torch.bfloat16, cuda) == torch.bfloat16 and decode_dtype(torch.float16, cuda) == torch.float16
+    assert (
+        decode_dtype(torch.bfloat16, cuda) == torch.bfloat16
+        and decode_dtype(torch.float16, cuda) == torch.float16
+    )
 
 
 def test_bf16_caches_on_a_cpu_hold_float32_and_a_prefill_gets_its_own_dtype_back(monkeypatch):

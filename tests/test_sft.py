@@ -151,7 +151,9 @@ def test_the_command_reports_a_bad_line_in_one_line(base_and_data, tmp_path):
     result = run_cli("sft", "--base", str(base), "--data", str(bad), "--out", str(tmp_path / "run"))
     assert result.returncode == 2
     # (A device measured while other tests keep the cores busy adds a "note:" line that is not about the data.)
-    lines = [line for line in (result.stdout + result.stderr).strip().splitlines() if not line.startswith("note:")]
+    lines = [
+        line for line in (result.stdout + result.stderr).strip().splitlines() if not line.startswith("note:")
+    ]
     assert len(lines) == 1 and f"{bad}:2: message 1 has an unknown role 'robot'" in lines[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed

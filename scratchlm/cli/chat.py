@@ -164,13 +164,28 @@ def fit(
     return prompt, dropped
 
 
+class StopRequest:
+    """Whether Ctrl-C asked the answer to stop. A plain flag rather than a `threading.Event`, whose `set()`
+    takes a lock: a second Ctrl-C can run its handler inside the first one's, which would then wait forever
+    for the lock the first holds."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def set(self) -> None:
+        self.requested = True
+
+    def is_set(self) -> bool:
+        return self.requested
+
+
 @contextlib.contextmanager
-def interrupts_stop_answer() -> Iterator[threading.Event]:
-    """While an answer is written, Ctrl-C (SIGINT) sets the event that the generation loop checks after each
+def interrupts_stop_answer() -> Iterator[StopRequest]:
+    """While an answer is written, Ctrl-C (SIGINT) sets the flag that the generation loop checks after each
     token, instead of raising KeyboardInterrupt wherever the program happens to be: the answer ends at a token,
     the conversation and the program go on. A SIGINT that was ignored when the program started (`nohup`, a
     background job) stays ignored."""
-    stop = threading.Event()
+    stop = StopRequest()
     previous = signal.getsignal(signal.SIGINT)
     if previous in (signal.SIG_IGN, None) or threading.current_thread() is not threading.main_thread():
         yield stop
@@ -230,7 +245,7 @@ class Chat:
         if ending != "stop":
             console.print(f"({ending})", style="dim")
 
-    def answer(self, prompt: list[int], out: TextIO, stop: threading.Event) -> tuple[str, str]:
+    def answer(self, prompt: list[int], out: TextIO, stop: StopRequest) -> tuple[str, str]:
         """Generate the answer to `prompt`, streamed to `out` as its characters are complete, and followed by a
         newline; returns its text (without the end-of-turn token) and, when it did not end at the end of its
         turn, what ended it."""

@@ -33,9 +33,9 @@ from scratchlm.device.choices import (
     Choice,
     choose_compile,
     choose_fused_loss,
+    choose_matvec,
     choose_peak_flops,
     choose_threads,
-    choose_matvec,
     resolve_precision,
 )
 from scratchlm.device.profile import DTYPES, DeviceProfile, device_profile
