@@ -223,12 +223,12 @@ def test_bf16_caches_on_a_cpu_hold_float32_and_a_prefill_gets_its_own_dtype_back
 
 
 def test_the_matrix_vector_rate_is_what_an_independent_timing_gives():
-    """Each way's measured rate is within a factor of 3 of a timing written out here."""
+    """Each way's measured rate is within a factor of 3 of a timing written out here, over as many bytes of
+    weights (64 MiB: more than a CPU's caches, whose size would otherwise decide the rate), best of two."""
     import time
 
-    for way in MATVEC_WAYS:
-        rate = matvec_gbps(CPU, torch.float32, way, mib=16)
-        matrices = [torch.randn(2048, 512) for _ in range(8)]
+    def independent(way: str) -> float:
+        matrices = [torch.randn(2048, 512) for _ in range(16)]
         if way == "columns":
             matrices = [m.T.contiguous().T for m in matrices]
         x = torch.randn(1, 512)
@@ -237,10 +237,14 @@ def test_the_matrix_vector_rate_is_what_an_independent_timing_gives():
             for m in matrices:
                 x @ m.T
             start = time.perf_counter()
-            for _ in range(10):
+            for _ in range(5):
                 for m in matrices:
                     x @ m.T
-            independent = 10 * 8 * 2048 * 512 * 4 / (time.perf_counter() - start) / 1e9
+            return 5 * 16 * 2048 * 512 * 4 / (time.perf_counter() - start) / 1e9
         finally:
             torch.backends.mkldnn.enabled = enabled
-        assert independent / 3 < rate < independent * 3, way
+
+    for way in MATVEC_WAYS:
+        rate = max(matvec_gbps(CPU, torch.float32, way, mib=64) for _ in range(2))
+        timed = max(independent(way) for _ in range(2))
+        assert timed / 3 < rate < timed * 3, (way, rate, timed)
