@@ -304,6 +304,38 @@ def test_tokenizer_info_carries_the_template_that_renders_the_same_ids(server) -
         assert ids == prompt_ids(server, messages)
 
 
+def test_tokenize_takes_a_conversation_as_vllm_does(server) -> None:
+    """`/tokenize` with `messages` (vLLM's chat shape): the ids of the conversation in the template. The
+    oracle is the template's Jinja source rendered by jinja2, as transformers renders it, tokenized as text."""
+    jinja2 = pytest.importorskip("jinja2.sandbox")
+    render = jinja2.ImmutableSandboxedEnvironment().from_string(JINJA).render
+    for messages in CONVERSATIONS[:3]:
+        for add in (True, False):
+            text = render(messages=messages, add_generation_prompt=add)
+            expected = server.tokenizer.encode(text)
+            body = json.dumps({"messages": messages, "add_generation_prompt": add}).encode()
+            assert request(server.url, "POST", "/tokenize", body).json()["tokens"] == expected
+        as_chat = request(server.url, "POST", "/tokenize", json.dumps({"messages": messages}).encode()).json()
+        assert as_chat["tokens"] == prompt_ids(server, messages)  # the generation prompt is added by default
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"messages": [{"role": "robot", "content": "beep"}]}, "robot"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": [{"role": "user"}]}, "content"),
+        ({"messages": [USER], "add_generation_prompt": "yes"}, "add_generation_prompt"),
+        ({"messages": [USER], "continue_final_message": True}, "continue_final_message"),
+        ({"prompt": [{"role": "user", "content": "hi"}]}, "prompt"),  # a conversation goes in 'messages'
+    ],
+    ids=["unknown-role", "not-a-list", "no-content", "flag-not-boolean", "continue-final-message", "no-text"],
+)
+def test_a_bad_conversation_to_tokenize_is_a_400_naming_it(server, body, says) -> None:
+    reply = request(server.url, "POST", "/tokenize", json.dumps(body).encode())
+    assert reply.status_code == 400 and says in reply.json()["error"]["message"]
+
+
 def test_a_base_run_keeps_its_clear_404(tmp_path) -> None:
     base = Running(load_trained(tiny_run(tmp_path / "base", CONTEXT, seed=3)), "base")
     try:
@@ -313,6 +345,8 @@ def test_a_base_run_keeps_its_clear_404(tmp_path) -> None:
             "base model" in caught.value.body["message"] and "chat template" in caught.value.body["message"]
         )
         assert request(base.url, "GET", "/tokenizer_info").json()["chat_template"] is None
+        reply = request(base.url, "POST", "/tokenize", json.dumps({"messages": [USER]}).encode())
+        assert reply.status_code == 400 and "no chat template" in reply.json()["error"]["message"]
         assert request(base.url, "GET", "/info").json()["chat"] is False
     finally:
         base.close()

@@ -9,7 +9,7 @@
                                temperature, top_p, stop, seed, n, stream; and vLLM's top_k. A chat model's
                                only: a base model has no chat template, and this path answers it 404
     GET  /tokenizer_info       the tokenizer's special tokens, context and chat template, as vLLM serves them
-    POST /tokenize             text -> token ids, as vLLM
+    POST /tokenize             text, or a chat model's conversation in its template -> token ids, as vLLM
     POST /detokenize           token ids -> text, as vLLM
 
 A request is checked in full before anything is queued; anything wrong is answered with OpenAI's error shape,
@@ -377,7 +377,7 @@ def create_app(
                 if template is None
                 else Route("/v1/chat/completions", chat_endpoint, methods=["POST"])
             ),
-            *tokenizer_routes(tokenizer, model_name, config.context_length),
+            *tokenizer_routes(tokenizer, model_name, config.context_length, template),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[] if api_key is None else [Middleware(_RequireKey, api_key=api_key)],

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, check_messages
 from scratchlm.errors import ScratchlmError
 from scratchlm.generation.sampling import InvalidOption, SamplingOptions
+from scratchlm.tokenizer.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than a context of tokens
 MAX_CHOICES = 64  # len(prompt) × n
@@ -300,19 +301,33 @@ def parse_chat_request(
     return CompletionRequest([ids], options, n, stream, include_usage)
 
 
-@dataclass(frozen=True)
-class TokenizeRequest:
-    prompt: str
-    add_special_tokens: bool  # accepted for vLLM's shape; scratchlm's tokenizers add no begin-of-text token
-
-
-def parse_tokenize_request(body: Any, model_name: str) -> TokenizeRequest:
-    """A /tokenize body, `{"prompt", "add_special_tokens"}` as vLLM takes it."""
+def tokenize_request_ids(
+    body: Any, model_name: str, tokenizer: Tokenizer, template: ChatTemplate | JinjaChatTemplate | None
+) -> list[int]:
+    """The token ids a /tokenize body asks for, in vLLM's two shapes: `{"prompt", "add_special_tokens"}`, the
+    text's ids (special tokens written in it are themselves), or `{"messages", "add_generation_prompt"}`, the
+    conversation in the model's chat template (the ids the chat API prompts with, when the generation prompt is
+    added, the default). `add_special_tokens` is accepted for vLLM's shape: scratchlm's tokenizers add no
+    begin-of-text token."""
     body = _object(body, model_name)
+    _typed(body, "add_special_tokens", bool, True, "a boolean")
     prompt = body.get("prompt")
+    if "messages" in body:
+        if template is None:
+            raise APIError(
+                400, "'messages' is a conversation, and this model has no chat template", "messages"
+            )
+        _refuse(body, {"continue_final_message": False})
+        add_generation_prompt = _typed(body, "add_generation_prompt", bool, True, "a boolean")
+        try:
+            return template.encode(check_messages(body.get("messages")), add_generation_prompt)
+        except ScratchlmError as e:
+            raise APIError(400, str(e), "messages") from None
     if not isinstance(prompt, str):
-        raise APIError(400, "'prompt' is required and must be a string", "prompt")
-    return TokenizeRequest(prompt, _typed(body, "add_special_tokens", bool, True, "a boolean"))
+        raise APIError(
+            400, "'prompt' is required and must be a string ('messages': a conversation)", "prompt"
+        )
+    return tokenizer.encode(prompt)
 
 
 def parse_detokenize_request(body: Any, model_name: str, vocab_size: int) -> list[int]:

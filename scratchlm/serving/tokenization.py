@@ -4,14 +4,15 @@ model's tokens and sends its prompts as token ids.
 
     GET  /tokenizer_info   {"tokenizer_class", "eos_token", "bos_token", "pad_token", "model_max_length",
                             "vocab_size", "special_tokens", "chat_template"}
-    POST /tokenize         {"prompt", "add_special_tokens"} -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /tokenize         {"prompt", "add_special_tokens"} or {"messages", "add_generation_prompt"}
+                           -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize       {"tokens"} -> {"prompt"}
 
 Special tokens written in the text (`<|endoftext|>`) are encoded as themselves, as in every tokenizer these
 clients know: a harness finds the end-of-text id by tokenizing `eos_token`. A base model's tokenizer has no
 begin-of-text token, so `add_special_tokens` changes nothing. `chat_template` is a chat model's template, its
 Jinja source as transformers reads it (a harness can render the conversations itself and send text); null for
-a base model.
+a base model. A conversation (`messages`) is tokenized in that template, as the chat API prompts with it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from scratchlm.serving.requests import parse_detokenize_request, parse_tokenize_request, read_json
+from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate
+from scratchlm.serving.requests import parse_detokenize_request, read_json, tokenize_request_ids
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 TOKENIZER_PATHS = frozenset({"/tokenizer_info", "/tokenize", "/detokenize"})
 
 
-def tokenizer_routes(tokenizer: Tokenizer, model_name: str, context_length: int) -> list[Route]:
+def tokenizer_routes(
+    tokenizer: Tokenizer,
+    model_name: str,
+    context_length: int,
+    template: ChatTemplate | JinjaChatTemplate | None,
+) -> list[Route]:
     async def info(request: Request) -> Response:
         return JSONResponse(
             {
@@ -43,8 +50,7 @@ def tokenizer_routes(tokenizer: Tokenizer, model_name: str, context_length: int)
         )
 
     async def tokenize(request: Request) -> Response:
-        body = parse_tokenize_request(await read_json(request), model_name)
-        ids = tokenizer.encode(body.prompt)
+        ids = tokenize_request_ids(await read_json(request), model_name, tokenizer, template)
         return JSONResponse(
             {"count": len(ids), "max_model_len": context_length, "tokens": ids, "token_strs": None}
         )
