@@ -1,8 +1,9 @@
 """Serving throughput: 16 concurrent clients against the same requests one at a time, and one request against
 `generate_stream`, at the TinyStories model of the CS336 assignment-1 handout.
 
-The model (vocab 10,000, context 256, d_model 512, 4 layers, 16 heads) has random weights, in float32: the cost
-of a token does not depend on what the weights are. The tokenizer is GPT-2's (a test fixture); the prompts are
+The model (vocab 10,000, context 256, d_model 512, 4 layers, 16 heads) has random weights: the cost of a token
+does not depend on what the weights are. It is held as `scratchlm serve` holds it (`Plan.for_inference` at
+`--precision`, default auto: bf16 on a CPU with native bf16, else fp32), with the threads serve chooses. The tokenizer is GPT-2's (a test fixture); the prompts are
 short English sentences whose tokens all fall inside the model's vocabulary. The server runs in this process
 (uvicorn in a thread, on 127.0.0.1 and a free port); the clients are threads speaking HTTP and reading the
 streamed events, each asking for `--tokens` new tokens (end-of-text cannot come: GPT-2's is outside the
@@ -29,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from scratchlm.device import apply_threads
-from scratchlm.device.choices import choose_threads
+from scratchlm.device import apply_threads, plan
 from scratchlm.generation.generate import generate_stream
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.precisions import PRECISIONS
 from scratchlm.serving.engine import Engine
 from scratchlm.serving.server import build_server
 from scratchlm.tokenizer import END_OF_TEXT
@@ -94,14 +95,16 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads (default: what `scratchlm serve` chooses here)"
     )
+    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto")
     args = parser.parse_args()
-    threads = choose_threads(args.threads)  # as `scratchlm serve` does: the free cores, or --threads
-    apply_threads(threads.value)
-    print(f"{threads.value} threads: {threads.reason}")
+    # As `scratchlm serve` does: the plan's precision and threads (the free cores, or --threads).
+    choices = plan(torch.device("cpu"), args.precision, threads=args.threads, option="--precision")
+    apply_threads(choices.threads.value)
+    print(choices.summary())
 
     torch.manual_seed(0)
     config = ModelConfig()
-    model = TransformerLM.from_config(config).eval()
+    model = choices.for_inference(TransformerLM.from_config(config))
     tokenizer = Tokenizer.from_files(
         FIXTURES / "gpt2_vocab.json", FIXTURES / "gpt2_merges.txt", [END_OF_TEXT]
     )
@@ -116,7 +119,8 @@ def main() -> None:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     print(
-        f"TinyStories-shape model: {model.num_parameters():,} parameters, float32, {torch.get_num_threads()} "
+        f"TinyStories-shape model: {model.num_parameters():,} parameters, {choices.precision.value} "
+        f"(a token times a matrix: {choices.matvec.value}), {torch.get_num_threads()} "
         f"threads; {args.clients} clients × {args.tokens} new tokens, temperature {args.temperature}, "
         f"top-p {args.top_p}"
     )

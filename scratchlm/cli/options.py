@@ -48,7 +48,8 @@ def add_model_source_arguments(
         choices=PRECISIONS,
         default="auto",
         help="auto: bf16 where the device computes it natively and fast (measured), fp16 on a GPU with fast "
-        "fp16 only, else fp32; the weights and KV caches are held in it (default auto)",
+        "fp16 only, else fp32; the weights are held in it, and the KV caches on a GPU (on a CPU they are "
+        "float32, what a decode step attends in) (default auto)",
     )
 
 
