@@ -3,11 +3,11 @@
 
 The model (vocab 10,000, context 256, d_model 512, 4 layers, 16 heads) has random weights: the cost of a token
 does not depend on what the weights are. It is held as `scratchlm serve` holds it (`Plan.for_inference` at
-`--precision`, default auto: bf16 on a CPU with native bf16, else fp32), with the threads serve chooses. The tokenizer is GPT-2's (a test fixture); the prompts are
-short English sentences whose tokens all fall inside the model's vocabulary. The server runs in this process
-(uvicorn in a thread, on 127.0.0.1 and a free port); the clients are threads speaking HTTP and reading the
-streamed events, each asking for `--tokens` new tokens (end-of-text cannot come: GPT-2's is outside the
-model's vocabulary). Reported:
+`--precision`, default auto: bf16 on a CPU with native bf16, else fp32), with the threads serve chooses. The
+tokenizer is GPT-2's (a test fixture); the prompts are short English sentences whose tokens all fall inside the
+model's vocabulary. The server runs in this process (uvicorn in a thread, on 127.0.0.1 and a free port); the
+clients are threads speaking HTTP and reading the streamed events, each asking for `--tokens` new tokens
+(end-of-text cannot come: GPT-2's is outside the model's vocabulary). Reported:
 
 - aggregate tokens/s: all new tokens over the wall time, with all clients at once and one client at a time;
 - time to first token, p50 and p95, with all clients at once (from sending a request to its first token);

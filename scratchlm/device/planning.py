@@ -73,8 +73,8 @@ class Plan:
 
     def for_inference(self, model: nn.Module) -> nn.Module:
         """`model` in eval mode with its parameters held in `dtype`, the matrices that read the same input
-        stacked into one (`LinearStack`), and `matvec`'s way applied, in place; returned for chaining. Buffers are left as they are: RoPE's
-        cosines and sines keep float32, and each rotation is rounded once."""
+        stacked into one (`LinearStack`), and `matvec`'s way applied, in place; returned for chaining. Buffers
+        are left as they are: RoPE's cosines and sines keep float32, and each rotation is rounded once."""
         model.eval()
         for parameter in model.parameters():
             if parameter.is_floating_point() and parameter.dtype != self.dtype:
