@@ -23,7 +23,7 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.data.prepare import PreparedData
-from scratchlm.device import plan, usable_cores
+from scratchlm.device import apply_threads, plan, usable_cores
 from scratchlm.device.choices import choose_threads
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
@@ -34,7 +34,8 @@ from scratchlm.training.optimizers import build_optimizer
 
 def tokens_per_s(threads: int, seconds: float) -> float:
     """Median tokens/s of the quickstart's training step at `threads` threads, over about `seconds`."""
-    torch.set_num_threads(threads)
+    # Set as scratchlm sets them, so that the next choose_threads() does not take the count for the user's.
+    apply_threads(threads)
     data = PreparedData(Path("unused"), Path("unused"), Path("unused"))
     config = train_config(FULL, data, Path("unused"), 0.0, "cpu", 1, "fast")
     choices = plan(torch.device("cpu"), "auto", threads=threads)  # "auto" at the threads that run
