@@ -33,9 +33,11 @@ def reference_generate(
             logits = model(tokens[:, -CONTEXT:])[:, -1]
             if temperature == 0:
                 next_tokens = logits.argmax(-1)
-            else:
+            else:  # the inverse of each row's cumulative distribution at a uniform draw, written out
                 probs = torch.softmax(logits / temperature, dim=-1)
-                next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                cumulative = probs.cumsum(dim=-1)
+                u = torch.rand(len(probs), 1, generator=generator)
+                next_tokens = (cumulative <= u * cumulative[:, -1:]).sum(dim=-1)
             tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
     return tokens[:, prompts.shape[1] :].tolist()
 

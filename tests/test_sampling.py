@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.generation.sampling import next_token_probs, sample_next_token, top_k_filter, top_p_filter
+from scratchlm.generation.sampling import (
+    draw,
+    next_token_probs,
+    sample_next_token,
+    top_k_filter,
+    top_p_filter,
+)
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -127,6 +133,22 @@ def test_samples_follow_the_filtered_distribution() -> None:
     # 5 standard errors of a binomial proportion
     tolerance = 5 * (expected.double() * (1 - expected.double()) / n).sqrt() + 1e-12
     assert torch.all((frequencies - expected.double()).abs() <= tolerance)
+
+
+@pytest.mark.parametrize(
+    "u, expected",
+    # u = 1 stands for u · total rounded up to the total (u itself is below 1).
+    [(0.0, 0), (0.2499, 0), (0.25, 2), (0.9, 2), (1 - 2**-24, 2), (1.0, 2)],
+    ids=["zero", "inside-the-first", "on-a-boundary", "inside-the-last", "largest-uniform", "rounded-up"],
+)
+def test_a_draw_inverts_the_cumulative_distribution_and_never_picks_probability_zero(
+    monkeypatch, u: float, expected: int
+) -> None:
+    """Token 0 owns [0, 0.25) of the unit interval and token 2 [0.25, 1); the tokens of probability 0 own
+    nothing, even where u times the total rounds up to the total."""
+    probs = torch.tensor([[0.25, 0.0, 0.75, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **options: torch.full((1, 1), u))
+    assert draw(probs).tolist() == [expected]
 
 
 def test_seed_reproduces_samples_and_shapes() -> None:
