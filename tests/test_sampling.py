@@ -190,3 +190,22 @@ def test_top_p_filter_matches_a_stable_float_sort_of_each_row():
         for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
             for p in (0.3, 0.9, 0.999):
                 assert torch.equal(top_p_filter(x, p), per_row(x, p))
+
+
+def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_each_row():
+    """Rows of 10,000 tokens: peaked ones (the nucleus among the 64 most likely), ones whose nucleus needs
+    hundreds of tokens, and flat ones (the whole row sorted), ties included, several rows at once."""
+
+    def per_row(probs, p):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_ahead >= p, 0.0))
+        return kept / kept.sum(dim=-1, keepdim=True)
+
+    generator = torch.Generator().manual_seed(1)
+    for rows, scale in [(1, 8.0), (3, 8.0), (2, 3.0), (1, 0.3), (4, 1.5)]:
+        probs = torch.softmax(torch.randn(rows, 10_000, generator=generator) * scale, dim=-1)
+        tied = probs.round(decimals=4) + 1e-5
+        for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
+            for p in (0.1, 0.5, 0.9, 0.95):
+                assert torch.equal(top_p_filter(x, p), per_row(x, p)), (rows, scale, p)
