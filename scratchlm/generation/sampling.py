@@ -149,9 +149,12 @@ def top_p_filter(probs: Float[Tensor, "... vocab"], p: float) -> Float[Tensor, "
         return probs
     vocab = probs.shape[-1]
     by_row = probs.reshape(-1, vocab)
+    largest = by_row.amax(dim=-1)
     for k, more in zip(NUCLEUS_CANDIDATES, (*NUCLEUS_CANDIDATES[1:], vocab), strict=True):
         if k >= vocab:
             break
+        if not bool((k * largest >= p + NUCLEUS_MARGIN).all()):
+            continue  # k tokens hold at most k times the largest probability: too little
         kth = torch.topk(by_row, k, dim=-1).values[:, -1:]
         candidate = by_row >= kth
         mass = by_row.where(candidate, 0.0).sum(dim=-1)
