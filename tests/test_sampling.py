@@ -175,14 +175,16 @@ def test_bad_options_are_user_errors(options: dict, message: str) -> None:
         sample_next_token(torch.randn(5), **options)
 
 
+def per_row(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Top-p by a stable float sort of each row, written out: the oracle of the filter's faster paths."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_ahead >= p, 0.0))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
 def test_top_p_filter_matches_a_stable_float_sort_of_each_row():
     # The filter sorts all rows at once as integers; the result must be the per-row float sort's, ties included.
-    def per_row(probs, p):
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_ahead >= p, 0.0))
-        return kept / kept.sum(dim=-1, keepdim=True)
-
     generator = torch.Generator().manual_seed(0)
     for shape, scale in [((16, 1000), 0.1), ((3, 61), 1.0), ((2, 3, 50), 5.0), ((61,), 30.0)]:
         probs = torch.softmax(torch.randn(shape, generator=generator) * scale, dim=-1)
@@ -195,13 +197,6 @@ def test_top_p_filter_matches_a_stable_float_sort_of_each_row():
 def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_each_row():
     """Rows of 10,000 tokens: peaked ones (the nucleus among the 64 most likely), ones whose nucleus needs
     hundreds of tokens, and flat ones (the whole row sorted), ties included, several rows at once."""
-
-    def per_row(probs, p):
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_ahead >= p, 0.0))
-        return kept / kept.sum(dim=-1, keepdim=True)
-
     generator = torch.Generator().manual_seed(1)
     for rows, scale in [(1, 8.0), (3, 8.0), (2, 3.0), (1, 0.3), (4, 1.5)]:
         probs = torch.softmax(torch.randn(rows, 10_000, generator=generator) * scale, dim=-1)
