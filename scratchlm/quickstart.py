@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 from rich.text import Text
 
-from scratchlm.chat.pipeline import CHAT_FULL, CHAT_SMALL, ChatResult, chat_stages
+from scratchlm.chat.pipeline import CHAT_FULL, CHAT_RUN, CHAT_SMALL, ChatResult, chat_stages
 from scratchlm.console import console, format_seconds
 from scratchlm.data.corpus import build_corpus, build_text_corpus
 from scratchlm.data.prepare import PreparedData, prepare_data
@@ -281,7 +282,7 @@ def quickstart(
     )
     with atomic_write(out_dir / "quickstart.json", "w") as f:
         json.dump(asdict(quick), f, indent=2)
-    _print_summary(quick)
+    _print_summary(quick, next_commands(quick, small=small, recipe=recipe, text=text))
     return quick
 
 
@@ -409,7 +410,38 @@ class Stages:
         console.rule(Text(f"{self.started}/{self.total}  {title}", style="bold"), align="left")
 
 
-def _print_summary(result: QuickstartResult) -> None:
+def next_commands(
+    result: QuickstartResult,
+    small: bool = False,
+    recipe: str = DEFAULT_RECIPE,
+    text: Sequence[str | Path] | None = None,
+) -> list[tuple[str, list[str]]]:
+    """The commands that go on from this run, as (what, argv) pairs with its own paths: generate from its
+    model; chat with its chat model, made first when it has none by the quickstart again with `--chat` (which
+    reuses what this run built, so it repeats this run's `--small`, `--recipe` and `--text`); serve and export
+    its last model."""
+    commands = [("generate", ["scratchlm", "generate", "--run", result.run_dir])]
+    chat_run = result.chat.run_dir if result.chat is not None else str(Path(result.out_dir) / CHAT_RUN)
+    if result.chat is None:
+        again = ["scratchlm", "quickstart", "--out", result.out_dir]
+        if small:
+            again.append("--small")
+        if recipe != DEFAULT_RECIPE:
+            again += ["--recipe", recipe]
+        if text:
+            again += ["--text", *map(str, text)]
+        commands.append(("chat model", [*again, "--chat"]))
+    commands.append(("chat", ["scratchlm", "chat", "--run", chat_run]))
+    model = chat_run if result.chat is not None else result.run_dir
+    export_dir = str(Path("exports") / Path(result.out_dir).name)
+    commands += [
+        ("serve", ["scratchlm", "serve", "--run", model]),
+        ("export", ["scratchlm", "export", "--run", model, "--format", "hf", "--out", export_dir]),
+    ]
+    return commands
+
+
+def _print_summary(result: QuickstartResult, commands: Sequence[tuple[str, list[str]]] = ()) -> None:
     rows = [
         ("corpus", result.corpus),
         ("tokenizer", result.tokenizer),
@@ -445,3 +477,13 @@ def _print_summary(result: QuickstartResult) -> None:
         console.print(f"{name:<{width}}  {value}", markup=False, soft_wrap=True)
     if not math.isfinite(result.val_loss):
         console.print("the validation loss is not finite: training diverged", style="red")
+    if commands:
+        console.rule(Text("next", style="bold"), align="left")
+        width = max(len(name) for name, _ in commands)
+        for name, argv in commands:
+            console.print(f"{name:<{width}}  {shlex.join(argv)}", markup=False, soft_wrap=True)
+        console.print(
+            "(serve needs scratchlm[serve] and export scratchlm[hf]; each says what to install)",
+            style="dim",
+            markup=False,
+        )

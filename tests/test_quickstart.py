@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import shlex
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +16,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from doc_commands import parse_cli
 
+from scratchlm.chat.pipeline import CHAT_RUN, ChatResult
 from scratchlm.cli import main
 from scratchlm.data.prepare import PreparedData
 from scratchlm.quickstart import (
     CALIBRATION_STEPS,
     RECIPES,
     SMALL,
+    QuickstartResult,
+    next_commands,
     train_config,
     train_within_budget,
     unigram_entropy,
@@ -152,6 +158,54 @@ def test_second_run_reuses_everything(out: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "reusing the finished model" in err
     assert json.loads((out / "quickstart.json").read_text())["val_loss"] == pytest.approx(first["val_loss"])
+
+
+def test_the_summary_ends_with_the_commands_that_go_on_from_this_run(
+    out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each printed command is a real sub-command whose flags parse, names this run's own paths, and runs:
+    `generate` is run for a few tokens."""
+    capsys.readouterr()
+    assert main(["quickstart", "--small", "--out", str(out)]) == 0  # reuses everything: seconds
+    printed = capsys.readouterr().err.split("summary")[-1]
+    lines = re.findall(r"^(\S.*?) {2,}(scratchlm .+)$", printed.split("next", 1)[1], re.M)
+    shown = {name: parse_cli(shlex.split(command)[1:]) for name, command in lines}
+    assert list(shown) == ["generate", "chat model", "chat", "serve", "export"]
+    assert [args.command for args in shown.values()] == ["generate", "quickstart", "chat", "serve", "export"]
+    run = str(out / "run")
+    assert RunDirectory(out / "run").latest_checkpoint() is not None
+    assert shown["generate"].run == shown["serve"].run == shown["export"].run == run
+    assert shown["export"].format == "hf"
+    # The chat model comes from this same run: the quickstart again, in the same directory, at the same size.
+    again = shown["chat model"]
+    assert again.out == str(out) and again.small and again.chat
+    assert again.recipe == "fast" and again.text is None
+    assert shown["chat"].run == str(out / CHAT_RUN)
+    generate = shlex.split(dict(lines)["generate"])[1:]
+    assert main([*generate, "--max-new-tokens", "5", "--seed", "0"]) == 0
+    assert "tokens/s" in capsys.readouterr().err
+
+
+def test_the_next_commands_follow_the_chat_model_and_repeat_the_runs_inputs(out: Path) -> None:
+    """With a chat model, chat, serve and export use it; without one, the quickstart that makes it repeats the
+    run's recipe and text, since it reuses what they built."""
+    result = QuickstartResult(**json.loads((out / "quickstart.json").read_text()))
+    chat = ChatResult(str(out / CHAT_RUN), 30, 1.0, 0.0, 0.5, 8.0, 1.0, 20)
+    commands = {
+        name: parse_cli(argv[1:]) for name, argv in next_commands(dataclasses.replace(result, chat=chat))
+    }
+    assert list(commands) == ["generate", "chat", "serve", "export"]
+    assert commands["generate"].run == result.run_dir
+    assert commands["chat"].run == commands["serve"].run == commands["export"].run == chat.run_dir
+
+    commands = dict(next_commands(result, recipe="spec", text=["notes/", "my book.txt"]))
+    again = parse_cli(commands["chat model"][1:])
+    assert (again.recipe, again.text, again.small, again.chat) == (
+        "spec",
+        ["notes/", "my book.txt"],
+        False,
+        True,
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -51,6 +51,8 @@ class ChatSize:
 CHAT_FULL = ChatSize(train_conversations=20_000, test_conversations=200, max_steps=3000, lr=8e-3)
 CHAT_SMALL = ChatSize(train_conversations=400, test_conversations=20, max_steps=30, lr=8e-3)
 
+#: The chat model's run directory, under the quickstart's output directory.
+CHAT_RUN = "chat-run"
 # Questions of the conversation the quickstart shows (the second one follows up on the first).
 SHOWN = ("Reverse: print open len", "As a list: zip max", "Add 7 and 5.")
 
@@ -155,7 +157,7 @@ def chat_stages(base: Path, out_dir: Path, seconds: float, device: str, size: Ch
     stage("conversations: built-in tasks (copy, reverse, sort, count, add, ...)")
     train_file, test_file = conversation_files(out_dir / "chat", size)
     stage("fine-tuning to chat")
-    run_dir = out_dir / "chat-run"
+    run_dir = out_dir / CHAT_RUN
     summary = fine_tune(base, train_file, test_file, run_dir, seconds, device, size)
     stage("the base and the chat model on the held-out conversations")
     test_set = read_conversations(test_file)
