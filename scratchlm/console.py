@@ -120,17 +120,17 @@ def _went_away_note(name: str, reason: str) -> str:
 
 
 class ConsoleLog:
-    """A copy of the console's lines in a file while the log is open (`with ConsoleLog(path):`): a run's
+    """A copy of the console's lines in a file while the log is open (`with ConsoleLog(path) as log:`): a run's
     `log.txt`. Appended to, so that the sessions of a resumed run follow each other; line-buffered, so that
-    `tail -f` follows it; without colours or progress bars. The file is created at the first line, so that a
-    command refused before it printed anything leaves no trace. It notes, with the time, when stdout or stderr
-    went away, and a log that cannot be written (a full disk) is given up with a warning on the console, as the
-    console would be."""
+    `tail -f` follows it; without colours or progress bars. The lines are held in memory until `keep()` says
+    that the work goes ahead, so that a command refused (or with nothing to do) leaves the file as it was. It
+    notes, with the time, when stdout or stderr went away, and a log that cannot be written (a full disk) is
+    given up with a warning on the console, as the console would be."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.held: list[str] | None = []  # None once kept
         self.file: GuardedStream | None = None
-        self.unwritable = False
         self.copy = Console(file=self, color_system=None, force_terminal=False, width=80, **console_settings)  # type: ignore[arg-type]
 
     def __enter__(self) -> ConsoleLog:
@@ -148,26 +148,37 @@ class ConsoleLog:
             with contextlib.suppress(OSError):
                 self.file.stream.close()
 
+    def keep(self) -> None:
+        """Write the lines so far to the file, and every later one as it comes."""
+        held, self.held = self.held or [], None
+        try:
+            file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by __exit__)
+        except OSError as e:
+            self._cannot_write(_reason(e))
+            return
+        self.file = GuardedStream(file, self._cannot_write)
+        self.file.writelines(held)
+
     def note(self, line: str) -> None:
         """A line for the log alone, with the time."""
         self.copy.print(f"{datetime.datetime.now().isoformat(sep=' ', timespec='seconds')}  {line}")
 
     def write(self, text: str) -> int:
-        if self.file is None and not self.unwritable:
-            try:
-                file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by __exit__)
-            except OSError as e:
-                self._cannot_write(_reason(e))
-            else:
-                self.file = GuardedStream(file, self._cannot_write)
-        return len(text) if self.file is None else self.file.write(text)
+        if self.held is not None:
+            self.held.append(text)
+        elif self.file is not None:
+            self.file.write(text)
+        return len(text)
 
     def flush(self) -> None:
         if self.file is not None:
             self.file.flush()
 
     def _cannot_write(self, reason: str) -> None:
-        self.unwritable = True  # first: the warning below is copied to this log too
+        failed, self.file = self.file, None  # first: the warning below is copied to this log too
+        if failed is not None:
+            with contextlib.suppress(OSError):
+                failed.stream.close()
         console.print(f"warning: cannot write {self.path} ({reason}): going on without it", style="yellow")
 
 

@@ -88,9 +88,14 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
             )
         data = load_training_data(config, run_dir)
         main = dist_info.is_main
-        with run_dir.lock() if main else nullcontext(), ConsoleLog(run_dir.log) if main else nullcontext():
+        with (
+            run_dir.lock() if main else nullcontext(),
+            ConsoleLog(run_dir.log) if main else nullcontext() as log,
+        ):
             session = Session(config, run_dir, data, dist_info, device, choices)
             run = build_session(session, resume, allow_config_change)
+            if log is not None and run.step < run.budget.total_steps:  # a session that trains: it is logged
+                log.keep()
             summary = run.run()
         finished = True
         return summary
