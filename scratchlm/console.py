@@ -89,7 +89,7 @@ class GuardedStream:
 
 
 def _reason(error: OSError | ValueError) -> str:
-    """What went wrong, as "EPIPE: Broken pipe", "EIO: Input/output error" or "I/O operation on closed file."."""
+    """What went wrong: "EPIPE: Broken pipe", "EIO: Input/output error", "I/O operation on closed file"."""
     code = getattr(error, "errno", None)
     return f"{errno.errorcode[code]}: {error.strerror}" if code in errno.errorcode else str(error)
 

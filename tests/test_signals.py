@@ -12,6 +12,7 @@ checkpoint, and there was no log.txt.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -20,10 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import assert_same_state
 from test_faults import TIMEOUT, wait_for
 from test_trainer import final_state, small_config
 
+from scratchlm.cli import main
+from scratchlm.console import ConsoleLog, GuardedStream, console
 from scratchlm.experiments.sweep import run_sweep
 from scratchlm.run import RunDirectory, StopReason
 from scratchlm.training.config import TrainConfig
@@ -50,6 +54,7 @@ def held(self, at, *args, **kwargs):
 
 TrainStep.gradients = held
 from scratchlm.cli import main
+from scratchlm.console import ConsoleLog, GuardedStream, console
 sys.exit(main(sys.argv[4:]))
 """
 
@@ -133,7 +138,7 @@ def assert_stopped_at_step(run: Path, signum: int) -> str:
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["steps"], summary["stopped"]) == (STEP, StopReason.INTERRUPTED.value)
     log = (run / "log.txt").read_text()
-    assert f"{signal.Signals(signum).name}: stopping now to save a checkpoint" in log
+    assert f"{signal.Signals(signum).name}: stopping " in log
     assert f"interrupted at step {STEP}" in log
     return log
 
@@ -236,3 +241,65 @@ def test_sft_stops_at_the_step_and_resumes_exactly(tmp_path):
 
     train(config("straight"))
     assert_resumes_exactly(config("sft"), tmp_path / "straight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("console", ["open", "gone"])
+def test_torchrun_forwards_a_sigterm_and_every_process_stops_at_the_step(tmp_path, straight, console):
+    """SLURM's SIGTERM reaches the launcher, which forwards it to the processes (and kills them 30 s later):
+    they stop together at the step, rank 0 saves it, and a resumed run ends where one process ends (to float32
+    rounding: two processes sum the gradients in another order, see test_ddp.py)."""
+    config = small_config(tmp_path)
+    (tmp_path / "config.toml").write_text(config.to_toml())
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    held = Held(tmp_path, "train", "--config", "config.toml", launcher=torchrun)
+    if console == "gone":
+        held.close_console()
+    held.signal(signal.SIGTERM)
+    status, output = held.finish()
+    assert status != 0, output  # the launcher's own status (torch's), not the processes'
+    if console == "open":
+        assert output.splitlines().count("interrupted") == 2, output  # each process left as a command does
+        assert output.count("Traceback") == 1 and output.rstrip().endswith("got signal: 15")  # the launcher's
+    log = assert_stopped_at_step(tmp_path / "run", signal.SIGTERM)
+    assert ("stderr went away (EPIPE: Broken pipe)" in log) == (console == "gone")
+    resume = [*torchrun, "-m", "scratchlm", "train", "--config", "config.toml", "--resume"]
+    result = subprocess.run(resume, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT * 3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = final_state(straight), final_state(tmp_path / "run")
+    assert two["iteration"] == one["iteration"] == 12
+    for key in one["model"]:
+        torch.testing.assert_close(two["model"][key], one["model"][key], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_quickstart_stops_at_the_step_and_its_rerun_finishes(tmp_path):
+    held = Held(tmp_path, "quickstart", "--small", "--out", str(tmp_path / "qs"))
+    held.close_console()
+    held.signal(signal.SIGHUP)
+    status, _ = held.finish()
+    assert status == 128 + signal.SIGHUP
+    assert_stopped_at_step(tmp_path / "qs" / "run", signal.SIGHUP)
+    assert main(["quickstart", "--small", "--out", str(tmp_path / "qs")]) == 0  # running it again resumes
+    summary = RunDirectory(tmp_path / "qs" / "run").summary()
+    assert summary.stopped is StopReason.FINISHED and summary.steps > STEP
+    assert (
+        f"resuming from {RunDirectory(tmp_path / 'qs' / 'run').checkpoint(STEP)}"
+        in (tmp_path / "qs" / "run" / "log.txt").read_text()
+    )
+
+
+def test_a_closed_stream_and_an_unwritable_log_are_given_up_and_the_command_goes_on(tmp_path, capsys):
+    closed = io.StringIO()
+    closed.close()
+    reasons: list[str] = []
+    stream = GuardedStream(closed, reasons.append)
+    assert stream.write("a line\n") == 7 and not stream.isatty()
+    stream.flush()
+    assert reasons == ["I/O operation on closed file"]  # once
+    (tmp_path / "log.txt").mkdir()  # where the log would go: it cannot be opened
+    with ConsoleLog(tmp_path / "log.txt") as log:
+        console.print("held")
+        log.keep()
+        console.print("after")
+    assert "warning: cannot write" in capsys.readouterr().err
