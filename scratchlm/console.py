@@ -98,6 +98,7 @@ def _reason(error: OSError | ValueError) -> str:
 def guarded_standard_streams() -> Iterator[None]:
     """stdout and stderr as `GuardedStream`s inside: a console that goes away is noted in the open
     `ConsoleLog`s and the command goes on without it."""
+    _fill_closed_descriptors()
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _guarded(sys.stdout, "stdout"), _guarded(sys.stderr, "stderr")
     try:
@@ -107,6 +108,20 @@ def guarded_standard_streams() -> Iterator[None]:
             if stream is not None:
                 stream.flush()
         sys.stdout, sys.stderr = saved
+
+
+def _fill_closed_descriptors() -> None:
+    """Point stdout's and stderr's descriptors at /dev/null when they were closed at start (`2>&-`; Python then
+    has no sys.stderr): the next file opened would get the descriptor, and a library's stray write to "stderr"
+    would land in it (a checkpoint, the run's lock)."""
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: fd itself, or stdin's
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
 
 
 def _guarded(stream: TextIO | None, name: str) -> TextIO | None:
