@@ -15,11 +15,11 @@ the reporting (report.py). `training.batch_size` is the global batch: sequences 
 processes and micro-batches, so `tokens = steps × batch_size × context_length` whatever the hardware.
 
 Ctrl-C (SIGINT), SIGTERM and SIGHUP finish the current step, save a checkpoint and raise `Interrupted`
-(signals.py); so does the wall-clock budget `max_time_s` (counted across resumes), which returns normally. The
-console's lines are copied to `RUN/log.txt`, which also notes when the console went away (a closed pipe or
-terminal), which the run outlives. With a budget the
-run also sizes its schedule to the steps that fit, measured on the machine (`scratchlm.training.budget`), so
-that it ends with its decay complete inside the budget. Resuming a run that has no steps left changes nothing
+(signals.py); so does the wall-clock budget `max_time_s` (counted across resumes), which returns normally. With
+a budget the run also sizes its schedule to the steps that fit, measured on the machine
+(`scratchlm.training.budget`), so that it ends with its decay complete inside the budget. The console's lines
+are copied to `RUN/log.txt` (`scratchlm.console.ConsoleLog`), which notes when the console went away (a closed
+pipe or terminal): the run goes on without it. Resuming a run that has no steps left changes nothing
 in it and returns the summary it wrote.
 """
 
