@@ -55,9 +55,9 @@ class DivergedError(ScratchlmError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by a signal: Ctrl-C (SIGINT) or a termination request (SIGTERM, sent by `kill`,
-    `timeout`, `docker stop` and cluster schedulers). The command line exits with 128 + `signum`, the shells'
-    convention: 130 and 143. A KeyboardInterrupt, so that code which cleans up after Ctrl-C does so here too."""
+    """A run stopped by a signal: Ctrl-C (SIGINT), a termination request (SIGTERM, sent by `kill`,
+    `timeout`, `docker stop` and cluster schedulers) or a hangup (SIGHUP: the terminal closed). The command line
+    exits with 128 + `signum`, the shells' convention: 130, 143 and 129. A KeyboardInterrupt, so that code which cleans up after Ctrl-C does so here too."""
 
     def __init__(self, signum: int = signal.SIGINT) -> None:
         self.signum = int(signum)

@@ -8,8 +8,8 @@ result still to come raises `BrokenProcessPool`. `worker_pool` wraps one so that
 - on any error (a task's own exception, Ctrl-C, SIGTERM) the workers are stopped at once rather than left to
   finish their tasks, so the caller's cleanup (removing a partial output) runs promptly and no worker outlives
   the command;
-- workers ignore Ctrl-C, which the terminal sends to the whole process group (the parent decides what
-  happens), and take the default action on SIGTERM: they never print tracebacks of their own;
+- workers ignore Ctrl-C and SIGHUP, which a terminal sends to the whole process group (the parent decides
+  what happens), and take the default action on SIGTERM: they never print tracebacks of their own;
 - a signal that reaches the parent while it forks the workers is held and delivered right after, rather than
   lost (see `_signals_deferred`).
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from scratchlm.errors import ScratchlmError
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
@@ -71,12 +71,13 @@ def _start_worker(initializer: Callable[..., None], initargs: tuple[Any, ...]) -
 
 def _worker_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while the workers are forked, and deliver them afterwards.
+    """Hold SIGINT, SIGTERM and SIGHUP while the workers are forked, and deliver them afterwards.
 
     Python runs a signal's handler at the main thread's next bytecode, which during a fork can be inside the
     fork's hooks (`os.register_at_fork`, e.g. logging's), and those swallow what the handler raises: a SIGTERM
@@ -94,7 +95,8 @@ def _signals_deferred() -> Iterator[None]:
             _worker_signals()
             os.kill(os.getpid(), signum)
 
-    previous = {signum: signal.signal(signum, defer) for signum in SIGNALS}
+    held = [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]  # nohup: ignored
+    previous = {signum: signal.signal(signum, defer) for signum in held}
     try:
         yield
     finally:

@@ -3,9 +3,11 @@
 Each sub-command lives in its own module of this package, which defines `HELP` (one line), `add_arguments(parser)`
 and `run(args) -> int | None`. Command modules import heavy libraries (torch, numpy) inside `run`, so that
 `scratchlm --help` answers at once. A `ScratchlmError` (a user mistake) is printed as one line and exits with
-status 2. Ctrl-C (SIGINT) and SIGTERM (`kill`, `timeout`, `docker stop`, a scheduler) both unwind the command
-like an exception, so partial outputs are removed and worker processes stopped, and exit with 128 + the
-signal's number: 130 and 143. `scratchlm train` first saves a checkpoint (see `scratchlm.training.trainer`).
+status 2. Ctrl-C (SIGINT), SIGTERM (`kill`, `timeout`, `docker stop`, a scheduler) and SIGHUP (the terminal
+closed, ssh dropped) all unwind the command like an exception, so partial outputs are removed and worker
+processes stopped, and exit with 128 + the signal's number: 130, 143 and 129. A SIGHUP that was ignored when the
+command started (`nohup`) stays ignored. Training first saves a checkpoint (see `scratchlm.training.signals`).
+A console that went away (a closed pipe or terminal) is no reason to stop: see `scratchlm.console`.
 """
 
 from __future__ import annotations
@@ -58,10 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scratchlm.console import guarded_standard_streams
+
+    with guarded_standard_streams():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with _sigterm_interrupts():
+        with _termination_interrupts():
             status = args._run(args)
     except ScratchlmError as e:
         from rich.text import Text
@@ -81,14 +90,19 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises `Interrupted` while a command runs (by default it would end the process on the spot,
-    leaving temporary files and orphaned worker processes behind)."""
+def _termination_interrupts() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Interrupted` while a command runs (by default they would end the process on
+    the spot, leaving temporary files and orphaned worker processes behind); a SIGHUP ignored from the start
+    (`nohup`) is left ignored."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    signums = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signums.append(signal.SIGHUP)
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in signums}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

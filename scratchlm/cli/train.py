@@ -1,5 +1,6 @@
 """`scratchlm train --config FILE [--set section.key=value ...] [--resume [--allow-config-change]]`: train a
-language model. SIGINT (Ctrl-C) and SIGTERM save a checkpoint after the current step and exit with 130 / 143.
+language model. SIGINT (Ctrl-C), SIGTERM and SIGHUP save a checkpoint after the current step and exit with
+130 / 143 / 129 (docs/stopping.md).
 
 Several processes (GPUs or machines): `torchrun --nproc_per_node K -m scratchlm train --config FILE`.
 """

@@ -42,6 +42,11 @@ class RunDirectory:
         return self.path / METRICS_FILE
 
     @property
+    def log(self) -> Path:
+        """The run's log: the console's lines of every session (`scratchlm.console.ConsoleLog`)."""
+        return self.path / "log.txt"
+
+    @property
     def summary_file(self) -> Path:
         return self.path / "summary.json"
 

@@ -14,25 +14,27 @@ A session is made of components, each built by a function of the config before t
 the reporting (report.py). `training.batch_size` is the global batch: sequences per optimizer step over all
 processes and micro-batches, so `tokens = steps × batch_size × context_length` whatever the hardware.
 
-Ctrl-C (SIGINT) and SIGTERM finish the current step, save a checkpoint and raise `Interrupted` (signals.py);
-so does the wall-clock budget `max_time_s` (counted across resumes), which returns normally. With a budget the
-run also sizes its schedule to the steps that fit, measured on the machine (`scratchlm.training.budget`), so
-that it ends with its decay complete inside the budget. Resuming a run that has no steps left changes nothing
+Ctrl-C (SIGINT), SIGTERM and SIGHUP finish the current step, save a checkpoint and raise `Interrupted`
+(signals.py); so does the wall-clock budget `max_time_s` (counted across resumes), which returns normally. With
+a budget the run also sizes its schedule to the steps that fit, measured on the machine
+(`scratchlm.training.budget`), so that it ends with its decay complete inside the budget. The console's lines
+are copied to `RUN/log.txt` (`scratchlm.console.ConsoleLog`), which notes when the console went away (a closed
+pipe or terminal): the run goes on without it. Resuming a run that has no steps left changes nothing
 in it and returns the summary it wrote.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from scratchlm.allocator import keep_freed_memory
-from scratchlm.console import console
+from scratchlm.console import ConsoleLog, console
 from scratchlm.device import Plan, apply_threads, plan, resolve_device
 from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
@@ -85,9 +87,15 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
                 f"({dist_info.world_size} × {t.grad_accum})"
             )
         data = load_training_data(config, run_dir)
-        with run_dir.lock() if dist_info.is_main else contextlib.nullcontext():
+        main = dist_info.is_main
+        with (
+            run_dir.lock() if main else nullcontext(),
+            ConsoleLog(run_dir.log) if main else nullcontext() as log,
+        ):
             session = Session(config, run_dir, data, dist_info, device, choices)
             run = build_session(session, resume, allow_config_change)
+            if log is not None and run.step < run.budget.total_steps:  # a session that trains: it is logged
+                log.keep()
             summary = run.run()
         finished = True
         return summary
@@ -195,7 +203,7 @@ class _Run:
         config = self.config
         try:
             try:
-                with self.stop.installed():
+                with self.stop.installed():  # until the last checkpoint is written
                     while self.step < self.budget.total_steps:
                         self.interval.add(*self._take_step())
                         self._observe_budget()
@@ -214,10 +222,10 @@ class _Run:
                                 self._save()
                         if self._maybe_stop(at_log):
                             break
+                    self._end_session()
             except KeyboardInterrupt:
                 self._save_after_abort()
                 raise
-            self._end_session()
         except DivergedError:
             # The summary says so: a resumed run must not keep the "finished" of an earlier session.
             self.stopped = StopReason.DIVERGED
@@ -298,6 +306,7 @@ class _Run:
     def _maybe_stop(self, at_log: bool) -> bool:
         """Whether to stop early, for a signal or the time budget. Several processes must agree, which they do
         at log steps: a signal that reached any one of them stops them all, as an interruption."""
+        self.stop.announce()
         if self.dist.enabled and not at_log:
             return False
         signum, over_budget = self.stop.agreed(self.budget.spent(self._elapsed()), self.device)
@@ -344,13 +353,16 @@ class _Run:
             self._save()
 
     def _finish(self) -> RunSummary:
-        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal (a
-        diverged one is ended by its `DivergedError`, which the caller re-raises)."""
+        """Write and print the summary; an interrupted run then raises `Interrupted` with its signal, and so
+        does a run that finished while a signal asked it to stop (during its last checkpoint), so that the
+        command stops too (a diverged one is ended by its `DivergedError`, which the caller re-raises)."""
         tokens_per_s = (self.step - self.start_step) * self.tokens_per_step / (clock() - self.session_start)
         summary = self._summary(self._elapsed(), tokens_per_s)
         self.report.summary(summary)
         if self.stopped is StopReason.INTERRUPTED:
             raise Interrupted(self.stop_signal)
+        if self.stopped is StopReason.FINISHED and self.stop.signum is not None:
+            raise Interrupted(self.stop.signum)
         return summary
 
     def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> RunSummary:
