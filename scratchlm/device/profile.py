@@ -515,10 +515,12 @@ def measure(device: torch.device, trials: int | None = None, max_trials: int | N
 def spot_check(device: torch.device, profile: DeviceProfile) -> str | None:
     """Why `profile` must have been measured too slow, or None: a small matmul of some dtype (half the
     measurement's size, about `SPOT_SECONDS`) ran `SPOT_FACTOR` times faster than the profile's rate. Other
-    work can only slow the spot check down, so a fast one is proof, and a slow one proves nothing."""
+    work can only slow the spot check down, so a fast one is proof, and a slow one proves nothing. A dtype
+    whose one product would take longer than that by the profile (an emulated one) is left to the expiry:
+    every command pays for the check."""
     size = (GPU_MATMUL_SIZE if device.type == "cuda" else CPU_MATMUL_SIZE) // 2
     for name, cached in profile.matmul_gflops.items():
-        if cached <= 0 or name not in DTYPES:
+        if cached <= 0 or name not in DTYPES or 2 * size**3 / (cached * 1e9) > SPOT_SECONDS:
             continue
         try:
             rate = matmul_gflops(device, DTYPES[name], size, SPOT_SECONDS)
