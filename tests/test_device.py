@@ -2,7 +2,10 @@
 measured rates mocked both ways (CPU with and without native bf16, CUDA with and without, with fast fp16 only,
 MPS), the warning for an explicit slow bf16 or fp16, the plan's dtype, autocast, fused loss and MFU peak, the
 profile override for tests, Muon's iteration dtype, the thread count under a restricted affinity mask and a
-cgroup quota, the doctor's report, and that training runs with what the doctor says."""
+cgroup quota, the doctor's report, and that training runs with what the doctor says. The measurement against
+other work, with real processes: two that measure at once, one that other processes' spinning interrupts, one
+that waits for another's measurement; the re-measurement of a native bf16 measured slower than fp32 (the flag
+mocked both ways), and a cached profile that expires or that a spot check proves too slow."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -483,6 +487,37 @@ def test_a_measurement_that_other_work_interrupts_is_not_cached(tmp_path):
     assert "not cached" in err
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the lock is fcntl's")
+def test_a_process_that_waits_for_another_ones_measurement_says_so_and_reads_its_result(
+    measuring, monkeypatch, capsys
+):
+    """Another holder of the machine's lock on measuring the CPU (here an open file of this process: flock
+    locks belong to open files) caches its profile and lets go; the waiting one said it waits, and takes that
+    profile rather than measuring."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(profile_module, "measure", lambda device: pytest.fail("measured"))
+    now = datetime.now(UTC).isoformat()
+    measured = DeviceProfile(  # rates beyond any spot check
+        **{**BF16_CPU.to_dict(), "matmul_gflops": {"fp32": 1e9}, "measured_at": now, "trials": 2}
+    )
+    measuring.joinpath("device-cpu.lock").touch()
+    with open(measuring / "device-cpu.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+        def finish() -> None:
+            time.sleep(0.3)
+            write_cached(measured)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+        other = threading.Thread(target=finish)
+        other.start()
+        assert device_profile(torch.device("cpu")) == measured
+        other.join()
+    assert "another process is measuring this device; waiting for its result" in capsys.readouterr().err
+
+
 def scripted_rates(monkeypatch, bf16: list[float], fp32: float = 140.0) -> list[float]:
     """Trials whose bf16 matmul rates are `bf16`, one a trial, and whose other rates are constants; returns the
     list of the bf16 rates handed out."""
@@ -549,8 +584,6 @@ def write_cached(profile: DeviceProfile, **changes) -> Path:
 def test_a_cached_profile_corrects_itself(measuring, monkeypatch, capsys):
     """A cached profile is measured again when it has expired, or when a product runs far faster than it says
     (other work only slows a product down: the cache was spoiled). A fresh, plausible one is used as it is."""
-    from datetime import UTC, datetime, timedelta
-
     cpu = torch.device("cpu")
     now = datetime.now(UTC)
     fresh = DeviceProfile(**{**AVX2_CPU.to_dict(), "measured_at": now.isoformat(), "threads": 1, "trials": 2})
@@ -624,8 +657,6 @@ def test_doctor_prints_a_table_and_checks_its_options(capsys):
 
 
 def test_doctor_says_when_and_how_its_profile_was_measured(measuring, monkeypatch, capsys):
-    from datetime import UTC, datetime, timedelta
-
     when = (datetime.now(UTC) - timedelta(days=2)).replace(microsecond=0)
     rates = {"fp32": 1e9, "bf16": 1e7, "fp16": 1e7}  # beyond any spot check
     measured = {"measured_at": when.isoformat(), "threads": 1, "trials": 3, "busy": 0.3}
@@ -637,7 +668,7 @@ def test_doctor_says_when_and_how_its_profile_was_measured(measuring, monkeypatc
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"measurement measured {when:%Y-%m-%d %H:%M:%S} UTC (1 thread, best of 3 trials" in out
-    assert "kept 0.3 cores busy" in out and "scratchlm doctor --refresh" in out
+    assert "0.3 cores kept busy by other processes" in out and "scratchlm doctor --refresh" in out
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {key: report["profile"][key] for key in measured} == measured

@@ -612,37 +612,43 @@ def _acquire(lock: Any, fcntl: Any, seconds: float) -> bool:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+        except OSError:
+            return False
 
 
 @contextlib.contextmanager
-def measuring_lock(device: torch.device) -> Iterator[None]:
+def measuring_lock(device: torch.device) -> Iterator[bool]:
     """Holds this machine's lock on measuring `device` (a file in the cache directory): processes that start
-    together measure one at a time instead of slowing each other's measurement down. A process that had to
-    wait says so; after `LOCK_WAIT_SECONDS` (a holder stopped with Ctrl-Z) it goes on without the lock. Where
-    there is no `fcntl` or the cache directory cannot be written, there is no lock."""
+    together measure one at a time instead of slowing each other's measurement down. Yields whether it had to
+    wait for another process, and says so; after `LOCK_WAIT_SECONDS` (a holder stopped with Ctrl-Z) it goes
+    on without the lock. Where there is no `fcntl` or the cache directory cannot be written, there is no lock."""
     try:
         import fcntl
     except ImportError:  # Windows
-        yield
+        yield False
         return
     path = cache_dir() / f"device-{str(device).replace(':', '-')}.lock"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path, "a")  # noqa: SIM115 (held across the yield)
     except OSError:
-        yield
+        yield False
         return
     with lock:
+        waited = False
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             held = True
         except BlockingIOError:
+            waited = True
             console.print("another process is measuring this device; waiting for its result")
             held = _acquire(lock, fcntl, LOCK_WAIT_SECONDS)
             if not held:
                 console.print(f"note: still measuring after {LOCK_WAIT_SECONDS:.0f} s; measuring here too")
+        except OSError:  # a file system without locks
+            held = False
         try:
-            yield
+            yield waited
         finally:
             if held:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -661,8 +667,8 @@ def _measure_and_cache(device: torch.device, path: Path) -> DeviceProfile:
         # 2x): such a measurement serves this process, but is measured again next time rather than steering
         # every later choice from the cache.
         console.print(
-            f"note: other processes kept {profile.busy:.1f} cores busy in each of {profile.trials} trials of "
-            "the device measurement; it is used now but not cached"
+            f"note: other processes took the cores in each of the {profile.trials} trials of the device "
+            f"measurement ({profile.busy:.1f} cores busy in the quietest); it is used now but not cached"
         )
         return profile
     try:
@@ -693,9 +699,9 @@ def device_profile(device: torch.device, refresh: bool = False) -> DeviceProfile
         return _in_process[key]
     profile = None if refresh else cached_profile(path, device)
     if profile is None:
-        with measuring_lock(device):
-            # A process this one waited for may have just measured it.
-            profile = None if refresh else cached_profile(path, device)
+        with measuring_lock(device) as waited:
+            if waited and not refresh:  # the process this one waited for may have just measured it
+                profile = cached_profile(path, device)
             if profile is None:
                 profile = _measure_and_cache(device, path)
     _in_process[key] = profile
@@ -709,10 +715,13 @@ def measurement_note(profile: DeviceProfile) -> str:
         return f"given by {PROFILE_OVERRIDE}={source}, not measured" if source else "not measured"
     how = (
         f"{profile.threads} thread{'' if profile.threads == 1 else 's'}, best of {profile.trials} "
-        f"trial{'' if profile.trials == 1 else 's'}, other processes kept {profile.busy:.1f} cores busy"
+        f"trial{'' if profile.trials == 1 else 's'}, {profile.busy:.1f} cores kept busy by other processes"
     )
     if profile.provisional:
-        return f"measured now ({how} in every trial): used now, not cached; the next command measures again"
+        return (
+            f"measured now while other processes took the cores ({how} in the quietest trial): used now, "
+            "not cached; the next command measures again"
+        )
     when = profile.measured_at.replace("T", " ").replace("+00:00", " UTC")
     return (
         f"measured {when} ({how}); measured again after {MAX_AGE_DAYS} days, or now with "
