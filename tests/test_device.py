@@ -487,6 +487,24 @@ def test_a_measurement_that_other_work_interrupts_is_not_cached(tmp_path):
     assert "not cached" in err
 
 
+@pytest.mark.parametrize(
+    "others, share, threads, cores, quiet",
+    [
+        (0.1, 0.99, 2, 2, True),  # an idle machine
+        (1.0, 0.99, 1, 2, True),  # one busy core beside a 1-thread measurement: its core was its own
+        (1.0, 0.70, 2, 2, False),  # a busy core under a 2-thread measurement
+        (0.9, 0.99, 2, 2, False),  # ... even where the measuring thread itself kept running
+        (0.2, 0.50, 1, 2, False),  # the measuring thread waited half the time for its core
+        (float("nan"), 0.95, 2, 2, True),  # no /proc/stat: the thread's share alone decides
+        (0.3, 0.95, 4, 2, True),  # more threads than cores: the user's choice, not other work
+    ],
+)
+def test_a_trial_is_quiet_when_other_work_left_the_measuring_threads_their_cores(
+    others, share, threads, cores, quiet
+):
+    assert profile_module.quiet_enough(profile_module.Load(others, share), threads, cores) is quiet
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="the lock is fcntl's")
 def test_a_process_that_waits_for_another_ones_measurement_says_so_and_reads_its_result(
     measuring, monkeypatch, capsys

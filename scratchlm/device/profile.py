@@ -316,7 +316,8 @@ def quiet_enough(load: Load, threads: int, cores: int) -> bool:
     """Whether a trial measured with `threads` threads on `cores` usable cores ran undisturbed: other work
     left those threads their cores (within `BUSY_NOT_CACHED`), and the measuring thread was not kept waiting.
     Work on cores this process's threads do not need (one thread on a 2-core machine) does not count."""
-    crowded = not math.isnan(load.others) and load.others > cores - threads + BUSY_NOT_CACHED
+    free = max(0, cores - threads)  # more threads than cores is the user's choice, not other work
+    crowded = not math.isnan(load.others) and load.others > free + BUSY_NOT_CACHED
     return not crowded and load.thread_share >= MIN_THREAD_SHARE
 
 
