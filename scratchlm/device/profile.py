@@ -464,7 +464,8 @@ def _one_trial(device: torch.device) -> tuple[dict[str, float], dict[str, dict[s
 
 def contradicts_flags(native_bf16: bool, rates: dict[str, float]) -> bool:
     """Whether measured rates contradict the device's capability by a wide margin: native bf16 (2-10x faster
-    than fp32 on a CPU, far more on a GPU) measured slower than fp32. Only other work slows a kernel that much."""
+    than fp32 on a CPU, far more on a GPU) measured slower than fp32. Other work is the usual cause; a CPU
+    whose kernels really are that slow measures the same again."""
     return native_bf16 and 0 < rates.get("bf16", 0.0) < rates.get("fp32", 0.0)
 
 
