@@ -3,9 +3,11 @@ scratchlm will do on it.
 
 It prints the device (the CPU's model and the flags that matter, or the GPU's name, memory and compute
 capability), the cores this process may use and how many other processes keep busy, the measured matmul
-rates (fp32 and bf16, and fp16 on a GPU) and memory bandwidth, whether torch.compile works here, and the
-precision, thread and compile choices `scratchlm train` makes with that config, each with its reason
-(`scratchlm.device.choices`). `--json` prints the same as one JSON object, for scripts.
+rates (fp32 and bf16, and fp16 on a GPU) and memory bandwidth, when and how they were measured (`--refresh`
+measures them again), whether torch.compile works here, and the precision, thread and compile choices
+`scratchlm train` makes with that config, each with its reason (`scratchlm.device.choices`). `--json` prints
+the same as one JSON object, for scripts. What takes seconds (measuring the device, compiling a test
+function) is announced on stderr before it starts.
 """
 
 from __future__ import annotations
@@ -41,24 +43,30 @@ def run(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from scratchlm.console import console
-    from scratchlm.device import device_profile, plan, resolve_device
+    from scratchlm.device import plan, resolve_device
     from scratchlm.device.profile import (
         affinity_cpus,
         busy_cores,
         cgroup_cpu_limit,
         compile_works,
+        measurement_note,
         usable_cores,
     )
 
     device = resolve_device(t.device, option="training.device")
-    if args.refresh:
-        device_profile(device, refresh=True)
     peak_tflops = config.logging.peak_tflops if config is not None else 0.0
-    choices = plan(device, t.precision, t.compile, t.threads, t.fused_loss, peak_tflops)
+    choices = plan(device, t.precision, t.compile, t.threads, t.fused_loss, peak_tflops, refresh=args.refresh)
     profile = choices.profile
-    compile_ok, compile_note = (None, "not checked") if args.no_compile_check else compile_works(device)
+    if args.no_compile_check:
+        compile_ok, compile_note = None, "not checked"
+    else:
+        console.print(
+            "checking that torch.compile works here: compiling a small function (seconds to a minute)"
+        )
+        compile_ok, compile_note = compile_works(device)
     report = {
         **choices.to_dict(),
+        "measurement": measurement_note(profile),
         "cores": {
             "affinity": len(affinity_cpus()),
             "cgroup_limit": cgroup_cpu_limit(),
@@ -73,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
 
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # a long path wraps rather than losing its end
     table.add_row("device", f"{device} — {profile.name}")
     if profile.type == "cpu":
         table.add_row("CPU flags", " ".join(profile.flags) or "none of the relevant ones")
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> None:
     rates = ", ".join(f"{name} {rate:,.1f}" for name, rate in profile.matmul_gflops.items())
     table.add_row("matmul GFLOP/s", rates)
     table.add_row("memory bandwidth", f"{profile.memory_gbps:,.1f} GB/s")
+    table.add_row("measurement", report["measurement"])
     table.add_row(
         "torch.compile", ("works: " if compile_ok else "" if compile_ok is None else "fails: ") + compile_note
     )

@@ -37,10 +37,10 @@ import torch
 from scratchlm.device.profile import (
     DeviceProfile,
     affinity_cpus,
-    busy_between,
     busy_cores,
     compiler_found,
     cpu_times,
+    others_busy,
     usable_cores,
 )
 from scratchlm.errors import ScratchlmError
@@ -154,9 +154,7 @@ class ThreadTuner:
         if before is None or now[2] - before[2] < 0.5:
             self.marks = before or now
             return None
-        busy = busy_between(before[0], now[0])
-        ours = (now[1] - before[1]) / (now[2] - before[2])
-        others = max(0.0, busy - ours)
+        others = others_busy(before[0], now[0], now[1] - before[1], now[2] - before[2])
         threads = max(1, min(self.usable, int(self.usable - others + 0.5)))
         if threads == torch.get_num_threads():
             return None

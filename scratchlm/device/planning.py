@@ -115,16 +115,18 @@ def plan(
     fused_loss: str = "auto",
     peak_tflops: float = 0.0,
     option: str = "training.precision",
+    refresh: bool = False,
 ) -> Plan:
     """The choices for running a model on `device` with these requests (a training config's, or a command's
-    options; `option` names where the precision came from, in messages)."""
+    options; `option` names where the precision came from, in messages). `refresh` measures the device again
+    rather than reading its cached profile."""
     threads_choice = choose_threads(threads) if device.type == "cpu" else Choice(None, "")
     # Measured with the threads that will run (a rate at 2 threads is not one at 1).
     previous = torch.get_num_threads()
     if threads_choice.value is not None and threads_choice.value != previous:
         torch.set_num_threads(threads_choice.value)
     try:
-        profile = device_profile(device)
+        profile = device_profile(device, refresh=refresh)
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)

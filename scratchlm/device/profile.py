@@ -2,7 +2,8 @@
 
     DeviceProfile    the device's name and relevant capabilities, and its measured rates:
                      matmul GFLOP/s in fp32 and bf16 (and fp16 on a GPU), memory bandwidth in GB/s, and
-                     how fast a token times a weight matrix runs each way it can (`MATVEC_WAYS`)
+                     how fast a token times a weight matrix runs each way it can (`MATVEC_WAYS`); and how it
+                     was measured (when, with how many threads, in how many trials, how busy the cores were)
     usable_cores     the cores this process may run on: its CPU affinity, capped by a cgroup CPU quota
     busy_cores       how many of those other processes keep busy right now (from /proc/stat)
     compiler_found   whether torch.compile can generate code here (a C++ compiler on a CPU, Triton on CUDA)
@@ -12,8 +13,35 @@ x86 CPU (no AVX-512) PyTorch emulates bf16 matmuls about 100x slower than fp32; 
 AMX they run 2-10x faster than fp32. A short matmul of each dtype (a fraction of a second) tells the two apart
 on any machine, including ones no table lists. The result is cached per machine, under
 `$XDG_CACHE_HOME/scratchlm/` (default `~/.cache/scratchlm/`; `SCRATCHLM_CACHE_DIR` overrides), keyed by the
-device's name, the flags and cores that matter, and the torch version, so later commands start at once. A
-measurement taken while other processes keep the cores busy is used but not cached.
+device's name, the flags and cores that matter, the thread count and the torch version, so later commands start
+at once.
+
+A measurement spoiled by other work would steer every later run (a bf16 rate measured 27x too low makes "auto"
+train in fp32), so a measurement guards against it (`measure`):
+
+- It is taken in trials (`TRIALS`), each rate the best of them: other work only slows a trial down, so the
+  fastest trial is the closest to the device's own rate.
+- The cores are watched during each trial, not only before it: /proc/stat's busy time of this process's CPUs
+  less this process's own CPU time is the other processes' work, and the measuring thread's CPU time over the
+  wall time falls below 1 when it had to wait for its core (the one signal where /proc/stat is missing). A
+  trial is quiet when other work left this process's threads their cores (`quiet_enough`). The best rates are
+  trustworthy when at least one trial was quiet: the quiet trial is a true measurement, and no busy trial beats
+  the truth. While none is, it measures again, up to `MAX_TRIALS`.
+- A result that contradicts the CPU's flags (native bf16 measured slower than fp32, where the flags promise it
+  2-10x faster) is measured again, up to `MAX_TRIALS`, before it is believed.
+- A measurement with no quiet trial is used by the process that took it, marked `provisional`, and never
+  cached: the next command measures again.
+- Processes that start together (the ranks of one torchrun job, pytest-xdist workers) measure one at a time:
+  each takes the machine's lock for the device (`measuring_lock`), and one that waited reads what the first one
+  cached instead of measuring over it.
+
+A cached profile corrects itself (`cached_profile`): it expires after `MAX_AGE_DAYS`, and each process that
+reads it first times a small matmul of each dtype (`spot_check`, tens of milliseconds). Other work can only slow
+that product down, so a product that runs `SPOT_FACTOR` times faster than the profile says proves the profile
+was measured too slow, and the device is measured again. (A run's step times cannot do this: a run trains at
+the precision the profile chose and never sees how fast the other would have been, and a step's time depends
+on the model as much as on the matmul rate.) `scratchlm doctor` says when and how the profile was measured, and
+`scratchlm doctor --refresh` measures again at once.
 
 `SCRATCHLM_DEVICE_PROFILE=FILE` (a profile as `scratchlm doctor --json` prints it under "profile", or as the
 cache stores it) replaces the measurement for a device of the file's type: the test suite runs once as if the
@@ -22,6 +50,7 @@ CPU had native bf16 and once as if it had not, whichever CPU it is on.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -29,12 +58,15 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.precisions import DTYPE_NAMES
@@ -57,12 +89,23 @@ RELEVANT_CPU_FLAGS = (
 # slowest case (emulated bf16 on a CPU, ~1 GFLOP/s) takes a fraction of a second.
 CPU_MATMUL_SIZE = 512
 GPU_MATMUL_SIZE = 4096
-BUSY_NOT_CACHED = 0.5  # cores kept busy by other processes above which a measurement is not cached
+CPU_MEMORY_MIB = 64  # the copy of the bandwidth measurement: a CPU reaches its bandwidth well before
+GPU_MEMORY_MIB = 256
+MATVEC_MIB = 64  # a matrix-vector rate's matrices: more than a CPU's caches hold, as a model's weights
 MEASURE_SECONDS = 0.15  # each rate is timed over at least this long (or one multiplication, if slower)
 MATVEC_SECONDS = 0.05  # each matrix-vector rate: dozens of passes over its matrices on a CPU
+TRIALS = 2  # trials of a measurement, each rate the best of them
+MAX_TRIALS = 3  # one more while no trial was quiet, or while the rates contradict the CPU's flags
+BUSY_NOT_CACHED = 0.5  # cores of other work beyond the ones this process's threads leave free: a busy trial
+MIN_THREAD_SHARE = 0.8  # a measuring thread that ran less of the wall time than this waited for its core
+MAX_AGE_DAYS = 7  # a cached profile older than this is measured again
+SPOT_FACTOR = 2.0  # a spot check this many times faster than the cached rate: the cache is measured again
+SPOT_SECONDS = 0.02  # each dtype's spot check is timed over about this long
+LOCK_WAIT_SECONDS = 120.0  # how long a process waits for another one's measurement before measuring itself
 # The dtype of each precision (`scratchlm.precisions`): a profile measures the matmul rate of every one.
 DTYPES = {precision: getattr(torch, name) for precision, name in DTYPE_NAMES.items()}
-CACHE_VERSION = 3  # 2: fp16 is measured on CPUs too; 3: matrix-vector rates by weight layout
+# 2: fp16 is measured on CPUs too; 3: matrix-vector rates by weight layout; 4: how the profile was measured
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -81,6 +124,12 @@ class DeviceProfile:
     gpu_memory_gib: float | None = None
     compute_capability: str | None = None  # CUDA: "9.0"
     torch_version: str = torch.__version__
+    # How it was measured (a profile given by a file has none of these):
+    measured_at: str = ""  # when, ISO 8601 in UTC
+    threads: int = 0  # torch's intra-op threads during the measurement
+    trials: int = 0  # how many trials it took the best of
+    busy: float = 0.0  # cores other processes kept busy during its quietest trial
+    provisional: bool = False  # no trial was quiet: used by the process that measured it, never cached
 
     def rate(self, dtype: str) -> float:
         return self.matmul_gflops.get(dtype, 0.0)
@@ -223,6 +272,55 @@ def busy_cores(seconds: float = 0.3) -> float:
         return min(float(len(cpus)), os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0.0
 
 
+def others_busy(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], own_cpu_seconds: float, wall: float
+) -> float:
+    """Cores that other processes kept busy between two `cpu_times` readings, `wall` seconds apart, during
+    which this process itself used `own_cpu_seconds` of CPU time: all that was busy, less this process."""
+    return max(0.0, busy_between(before, after) - own_cpu_seconds / wall) if wall > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """What else ran on this process's cores during a stretch of work (`LoadWatch`)."""
+
+    others: float  # cores other processes kept busy; NaN where /proc/stat is missing
+    thread_share: float  # the watching thread's CPU time over the wall time: below 1 when it waited
+
+
+class LoadWatch:
+    """Watches the cores from its creation to `load()`: /proc/stat's busy time of this process's CPUs, this
+    process's CPU time (every thread's), the watching thread's own CPU time and the wall clock."""
+
+    def __init__(self) -> None:
+        self.start = self._mark()
+
+    @staticmethod
+    def _mark() -> tuple[dict[int, tuple[int, int]] | None, float, float, float]:
+        try:
+            cpus: dict[int, tuple[int, int]] | None = cpu_times(affinity_cpus())
+        except (OSError, ValueError):
+            cpus = None
+        own = os.times()
+        return cpus, own.user + own.system, time.thread_time(), time.monotonic()
+
+    def load(self) -> Load:
+        cpus, own, thread, wall = self._mark()
+        cpus0, own0, thread0, wall0 = self.start
+        seconds = max(wall - wall0, 1e-9)
+        others = math.nan if cpus is None or cpus0 is None else others_busy(cpus0, cpus, own - own0, seconds)
+        return Load(others, min(1.0, (thread - thread0) / seconds))
+
+
+def quiet_enough(load: Load, threads: int, cores: int) -> bool:
+    """Whether a trial measured with `threads` threads on `cores` usable cores ran undisturbed: other work
+    left those threads their cores (within `BUSY_NOT_CACHED`), and the measuring thread was not kept waiting.
+    Work on cores this process's threads do not need (one thread on a 2-core machine) does not count."""
+    free = max(0, cores - threads)  # more threads than cores is the user's choice, not other work
+    crowded = not math.isnan(load.others) and load.others > free + BUSY_NOT_CACHED
+    return not crowded and load.thread_share >= MIN_THREAD_SHARE
+
+
 def compiler_found(device: torch.device) -> tuple[bool, str]:
     """Whether torch.compile can generate code for `device`, and what it would use: on a CPU, inductor
     compiles C++ and needs a compiler (`CXX`, or c++ / g++ / clang++ on PATH); on CUDA it writes Triton."""
@@ -274,9 +372,14 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
-    """Measured rate of a square matmul of `size` in `dtype`, in GFLOP/s (2 size³ FLOPs per product)."""
+def matmul_gflops(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, seconds: float | None = None
+) -> float:
+    """Measured rate of a square matmul of `size` in `dtype`, in GFLOP/s (2 size³ FLOPs per product), timed over
+    about `seconds` (default `MEASURE_SECONDS`). A first product that alone takes that long is the measurement:
+    an emulated dtype's, where a first call's setup is small beside it."""
     size = size or (GPU_MATMUL_SIZE if device.type == "cuda" else CPU_MATMUL_SIZE)
+    seconds = MEASURE_SECONDS if seconds is None else seconds
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     _synchronize(device)
@@ -284,7 +387,9 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int | None = N
     a @ b  # warm-up; its time says how many repetitions fit
     _synchronize(device)
     once = time.perf_counter() - start
-    reps = max(1, min(1000, int(MEASURE_SECONDS / max(once, 1e-6))))
+    if once >= seconds:
+        return 2 * size**3 / once / 1e9
+    reps = max(1, min(1000, int(seconds / max(once, 1e-6))))
     start = time.perf_counter()
     for _ in range(reps):
         a @ b
@@ -292,10 +397,9 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int | None = N
     return 2 * size**3 * reps / (time.perf_counter() - start) / 1e9
 
 
-def memory_gbps(device: torch.device, mib: int = 256) -> float:
+def memory_gbps(device: torch.device, mib: int | None = None) -> float:
     """Measured bandwidth of copying `mib` MiB (bytes read plus bytes written per second), in GB/s."""
-    if device.type == "cpu":
-        mib = 64  # a CPU reaches its bandwidth well before; keep the measurement's memory small
+    mib = mib or (CPU_MEMORY_MIB if device.type == "cpu" else GPU_MEMORY_MIB)
     source = torch.ones(mib * 2**20 // 4, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
@@ -315,12 +419,13 @@ def memory_gbps(device: torch.device, mib: int = 256) -> float:
 MATVEC_WAYS = ("rows", "columns", "rows_no_onednn")
 
 
-def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int = 64) -> float:
+def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int | None = None) -> float:
     """Measured rate of one token times wide matrices, `x @ W.T` with `W` of (2048, 512) in `dtype`, run the
     `MATVEC_WAYS` way `way`, in GB/s of weights read: decoding's product, whose speed on a CPU depends on the
     layout and the library (each picks a different kernel). The matrices add up to `mib` MiB, more than a
-    CPU's caches hold, as a model's weights do."""
+    CPU's caches hold, as a model's weights do (default `MATVEC_MIB`)."""
     d_out, d_in = 2048, 512
+    mib = mib or MATVEC_MIB
     count = max(1, mib * 2**20 // (d_out * d_in * dtype.itemsize))
     # Any values serve (the time of a product does not depend on them, short of subnormals): filled, not drawn.
     block = torch.full((count, d_out, d_in), 0.01, dtype=dtype, device=device)
@@ -331,8 +436,7 @@ def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int = 6
     onednn = torch.backends.mkldnn  # a process-wide switch (its `flags()` context warns on every CPU)
     enabled, onednn.enabled = onednn.enabled, way != "rows_no_onednn"
     try:
-        for w in matrices:  # warm-up
-            x @ w.T
+        x @ matrices[0].T  # warm-up: the kernel's first call sets it up
         _synchronize(device)
         passes, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < MATVEC_SECONDS or passes < 1:
@@ -345,23 +449,99 @@ def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int = 6
     return count * d_out * d_in * dtype.itemsize * passes / elapsed / 1e9
 
 
-def measure(device: torch.device) -> DeviceProfile:
-    """The device's profile, measured now (about a second)."""
-    identity = _identity(device)
+def _one_trial(device: torch.device) -> tuple[dict[str, float], dict[str, dict[str, float]], float]:
+    """One trial of every rate: matmul GFLOP/s and matrix-vector GB/s per dtype, and the memory bandwidth."""
     rates: dict[str, float] = {}
     layouts: dict[str, dict[str, float]] = {}
     for name, dtype in DTYPES.items():
         try:
-            rates[name] = round(matmul_gflops(device, dtype), 2)
-            layouts[name] = {way: round(matvec_gbps(device, dtype, way), 1) for way in MATVEC_WAYS}
+            rates[name] = matmul_gflops(device, dtype)
+            layouts[name] = {way: matvec_gbps(device, dtype, way) for way in MATVEC_WAYS}
         except (RuntimeError, TypeError):  # a dtype the device does not multiply at all
             rates[name] = 0.0
+    return rates, layouts, memory_gbps(device)
+
+
+def contradicts_flags(native_bf16: bool, rates: dict[str, float]) -> bool:
+    """Whether measured rates contradict the device's capability by a wide margin: native bf16 (2-10x faster
+    than fp32 on a CPU, far more on a GPU) measured slower than fp32. Other work is the usual cause; a CPU
+    whose kernels really are that slow measures the same again."""
+    return native_bf16 and 0 < rates.get("bf16", 0.0) < rates.get("fp32", 0.0)
+
+
+def measure(device: torch.device, trials: int | None = None, max_trials: int | None = None) -> DeviceProfile:
+    """The device's profile, measured now: each rate the best of `trials` trials (default `TRIALS`), and more
+    trials, up to `max_trials` (default `MAX_TRIALS`), while no trial was quiet (`quiet_enough`) or the rates
+    contradict the CPU's flags (`contradicts_flags`). A profile with no quiet trial is `provisional`. About a
+    second per trial on a CPU."""
+    trials = trials or TRIALS
+    max_trials = max(trials, max_trials or MAX_TRIALS)
+    identity = _identity(device)
+    threads, cores = torch.get_num_threads(), usable_cores()
+    rates: dict[str, float] = {}
+    layouts: dict[str, dict[str, float]] = {}
+    bandwidth, loads = 0.0, []
+    while True:
+        watch = LoadWatch()
+        trial_rates, trial_layouts, trial_bandwidth = _one_trial(device)
+        loads.append(watch.load())
+        # The best of the trials: other work only slows a trial down.
+        for name, rate in trial_rates.items():
+            rates[name] = max(rates.get(name, 0.0), rate)
+        for name, ways in trial_layouts.items():
+            best = layouts.setdefault(name, {})
+            for way, rate in ways.items():
+                best[way] = max(best.get(way, 0.0), rate)
+        bandwidth = max(bandwidth, trial_bandwidth)
+        # Another process's CPU work does not slow an accelerator's kernels.
+        quiet = device.type != "cpu" or any(quiet_enough(load, threads, cores) for load in loads)
+        settled = quiet and not contradicts_flags(identity["native_bf16"], rates)
+        if len(loads) >= max_trials or (len(loads) >= trials and settled):
+            break
+    known = [load.others for load in loads if not math.isnan(load.others)]
     return DeviceProfile(
         **identity,
-        matmul_gflops=rates,
-        memory_gbps=round(memory_gbps(device), 1),
-        matvec_gbps=layouts,
+        matmul_gflops={name: round(rate, 2) for name, rate in rates.items()},
+        memory_gbps=round(bandwidth, 1),
+        matvec_gbps={
+            name: {way: round(rate, 1) for way, rate in ways.items()} for name, ways in layouts.items()
+        },
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        threads=threads,
+        trials=len(loads),
+        busy=round(min(known), 2) if known else 0.0,
+        provisional=not quiet,
     )
+
+
+def spot_check(device: torch.device, profile: DeviceProfile) -> str | None:
+    """Why `profile` must have been measured too slow, or None: a small matmul of some dtype (half the
+    measurement's size, about `SPOT_SECONDS`) ran `SPOT_FACTOR` times faster than the profile's rate. Other
+    work can only slow the spot check down, so a fast one is proof, and a slow one proves nothing. A dtype
+    whose one product would take longer than that by the profile (an emulated one) is left to the expiry:
+    every command pays for the check."""
+    size = (GPU_MATMUL_SIZE if device.type == "cuda" else CPU_MATMUL_SIZE) // 2
+    for name, cached in profile.matmul_gflops.items():
+        if cached <= 0 or name not in DTYPES or 2 * size**3 / (cached * 1e9) > SPOT_SECONDS:
+            continue
+        try:
+            rate = matmul_gflops(device, DTYPES[name], size, SPOT_SECONDS)
+        except (RuntimeError, TypeError):
+            continue
+        if rate > SPOT_FACTOR * cached:
+            return (
+                f"a {name} matmul ran at {rate:,.1f} GFLOP/s, {rate / cached:.1f}x the cached {cached:,.1f}"
+            )
+    return None
+
+
+def profile_age_days(profile: DeviceProfile) -> float:
+    """Days since `profile` was measured (infinite when it does not say)."""
+    try:
+        measured = datetime.fromisoformat(profile.measured_at)
+    except (TypeError, ValueError):
+        return math.inf
+    return (datetime.now(UTC) - measured).total_seconds() / 86400
 
 
 # -- the per-machine cache ----------------------------------------------------------------------------------
@@ -374,6 +554,7 @@ def cache_dir() -> Path:
 
 
 def _cache_key(device: torch.device, threads: int) -> str:
+    """What the cache's file name keys a profile by: the device and the thread count it was measured with."""
     identity = _identity(device)
     parts = [
         CACHE_VERSION,
@@ -405,42 +586,146 @@ def profile_override(device: torch.device) -> DeviceProfile | None:
     return profile if profile.type == device.type else None
 
 
+def cached_profile(path: Path, device: torch.device) -> DeviceProfile | None:
+    """The profile cached in `path`, or None when there is none, or it has expired (`MAX_AGE_DAYS`), or a spot
+    check proves it measured too slow (`spot_check`); the last two say so."""
+    try:
+        profile = DeviceProfile.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if (age := profile_age_days(profile)) > MAX_AGE_DAYS:
+        days = "a date it does not give" if math.isinf(age) else f"{age:.0f} days ago"
+        console.print(f"note: the cached device profile was measured {days}; measuring again")
+        return None
+    if (why := spot_check(device, profile)) is not None:
+        console.print(f"note: the cached device profile is too slow ({why}); measuring again")
+        return None
+    return profile
+
+
+def _acquire(lock: Any, fcntl: Any, seconds: float) -> bool:
+    """Take `lock` (an open file) exclusively, waiting up to `seconds` for the process that holds it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        except OSError:
+            return False
+
+
+@contextlib.contextmanager
+def measuring_lock(device: torch.device) -> Iterator[bool]:
+    """Holds this machine's lock on measuring `device` (a file in the cache directory): processes that start
+    together measure one at a time instead of slowing each other's measurement down. Yields whether it had to
+    wait for another process, and says so; after `LOCK_WAIT_SECONDS` (a holder stopped with Ctrl-Z) it goes
+    on without the lock. Where there is no `fcntl` or the cache directory cannot be written, there is no lock."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield False
+        return
+    path = cache_dir() / f"device-{str(device).replace(':', '-')}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield False
+        return
+    with lock:
+        waited = False
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            waited = True
+            console.print("another process is measuring this device; waiting for its result")
+            held = _acquire(lock, fcntl, LOCK_WAIT_SECONDS)
+            if not held:
+                console.print(f"note: still measuring after {LOCK_WAIT_SECONDS:.0f} s; measuring here too")
+        except OSError:  # a file system without locks
+            held = False
+        try:
+            yield waited
+        finally:
+            if held:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _measure_and_cache(device: torch.device, path: Path) -> DeviceProfile:
+    """Measure the device, saying so (it takes seconds); cache the profile unless it is provisional."""
+    threads = torch.get_num_threads()
+    console.print(
+        f"measuring {device} with {threads} thread{'' if threads == 1 else 's'}: matmuls, memory and "
+        "matrix-vector products in each precision (a few seconds; cached for later commands)"
+    )
+    profile = measure(device)
+    if profile.provisional:
+        # Other work slows each dtype by its own factor (bf16 kernels more than fp32 ones, seen 6x against
+        # 2x): such a measurement serves this process, but is measured again next time rather than steering
+        # every later choice from the cache.
+        console.print(
+            f"note: other processes took the cores in each of the {profile.trials} trials of the device "
+            f"measurement ({profile.busy:.1f} cores busy in the quietest); it is used now but not cached"
+        )
+        return profile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path, "w") as f:
+            json.dump(profile.to_dict(), f, indent=1)
+    except (OSError, ScratchlmError) as e:  # a read-only home must not stop training
+        console.print(f"note: could not cache the device profile in {path}: {e}")
+    return profile
+
+
+def profile_path(device: torch.device) -> Path:
+    """Where this machine caches the profile of `device` at the current thread count."""
+    return cache_dir() / f"device-{_cache_key(device, torch.get_num_threads())}.json"
+
+
 def device_profile(device: torch.device, refresh: bool = False) -> DeviceProfile:
-    """The device's profile: from this process's memory, else the per-machine cache, else measured now (with
-    the current thread count) and cached. `refresh` measures again. `$SCRATCHLM_DEVICE_PROFILE` overrides all
-    of these (`profile_override`)."""
+    """The device's profile: from this process's memory, else the per-machine cache (`cached_profile`), else
+    measured now (with the current thread count, one process at a time: `measuring_lock`) and cached.
+    `refresh` measures again. `$SCRATCHLM_DEVICE_PROFILE` overrides all of these (`profile_override`)."""
     if (override := profile_override(device)) is not None:
         return override
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = _cache_key(device, torch.get_num_threads())
+    path = profile_path(device)
+    key = path.stem
     if not refresh and key in _in_process:
         return _in_process[key]
-    path = cache_dir() / f"device-{key}.json"
-    profile = None
-    if not refresh:
-        try:
-            profile = DeviceProfile.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            profile = None
+    profile = None if refresh else cached_profile(path, device)
     if profile is None:
-        # Other work on the cores slows each dtype by its own factor (bf16 kernels more than fp32 ones, seen
-        # 6x against 2x): such a measurement serves this process, but is measured again next time rather than
-        # steering every later choice from the cache.
-        busy = busy_cores() if device.type == "cpu" else 0.0
-        profile = measure(device)
-        if busy >= BUSY_NOT_CACHED:
-            print(
-                f"note: other processes kept {busy:.1f} cores busy while the device was measured; "
-                "the measurement is not cached",
-                file=sys.stderr,
-            )
-        else:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with atomic_write(path, "w") as f:
-                    json.dump(profile.to_dict(), f, indent=1)
-            except (OSError, ScratchlmError) as e:  # a read-only home must not stop training
-                print(f"note: could not cache the device profile in {path}: {e}", file=sys.stderr)
+        with measuring_lock(device) as waited:
+            if waited and not refresh:  # the process this one waited for may have just measured it
+                profile = cached_profile(path, device)
+            if profile is None:
+                profile = _measure_and_cache(device, path)
     _in_process[key] = profile
     return profile
+
+
+def measurement_note(profile: DeviceProfile) -> str:
+    """When and how `profile` was measured, and how to measure it again: `scratchlm doctor`'s line."""
+    if not profile.measured_at:
+        source = os.environ.get(PROFILE_OVERRIDE)
+        return f"given by {PROFILE_OVERRIDE}={source}, not measured" if source else "not measured"
+    how = (
+        f"{profile.threads} thread{'' if profile.threads == 1 else 's'}, best of {profile.trials} "
+        f"trial{'' if profile.trials == 1 else 's'}, {profile.busy:.1f} cores kept busy by other processes"
+    )
+    if profile.provisional:
+        return (
+            f"measured now while other processes took the cores ({how} in the quietest trial): used now, "
+            "not cached; the next command measures again"
+        )
+    when = profile.measured_at.replace("T", " ").replace("+00:00", " UTC")
+    return (
+        f"measured {when} ({how}); measured again after {MAX_AGE_DAYS} days, or now with "
+        "`scratchlm doctor --refresh`"
+    )

@@ -68,13 +68,6 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
     device = resolve_device(config.training.device, option="training.device")
     dist_info, device = init_distributed(device)
     t = config.training
-    choices = plan(device, t.precision, t.compile, t.threads, t.fused_loss, config.logging.peak_tflops)
-    apply_threads(choices.threads.value)
-    if device.type == "cpu":
-        # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
-        # (measured: 2.8 s vs 0.26 s for clip + AdamW per bf16 step); flushing them to zero costs nothing.
-        torch.set_flush_denormal(True)
-        keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
     run_dir = RunDirectory(config.logging.run_dir)
     finished = False
     run: _Run | None = None
@@ -87,6 +80,14 @@ def train(config: TrainConfig, resume: bool = False, allow_config_change: bool =
                 f"({dist_info.world_size} × {t.grad_accum})"
             )
         data = load_training_data(config, run_dir)
+        # The plan may measure the device (seconds, the first time on a machine): after the checks.
+        choices = plan(device, t.precision, t.compile, t.threads, t.fused_loss, config.logging.peak_tflops)
+        apply_threads(choices.threads.value)
+        if device.type == "cpu":
+            # AdamW's second moments decay into denormal floats, which x86 CPUs process about 10x slower
+            # (measured: 2.8 s vs 0.26 s for clip + AdamW per bf16 step); flushing them to zero costs nothing.
+            torch.set_flush_denormal(True)
+            keep_freed_memory()  # halves the time of a CPU training step; see scratchlm.allocator
         main = dist_info.is_main
         with (
             run_dir.lock() if main else nullcontext(),
