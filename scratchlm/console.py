@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import math
 import os
 import resource
 import sys
@@ -265,11 +266,16 @@ def peak_memory_mb() -> float:
 
 
 def format_seconds(seconds: float) -> str:
-    """`75.3` -> `1m15.3s`; `3.2` -> `3.20s`."""
+    """`75.3` -> `1m15.3s`; `3.2` -> `3.20s`; `97200` -> `27h00m00s`; beyond 100 hours in days (`12.5 days`);
+    a value that is no length of time (infinite, NaN) as itself (`inf s`), never an exception."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
     if seconds < 60:
         return f"{seconds:.2f}s"
     minutes, seconds = divmod(seconds, 60)
     if minutes < 60:
         return f"{int(minutes)}m{seconds:04.1f}s"
     hours, minutes = divmod(minutes, 60)
-    return f"{int(hours)}h{int(minutes):02d}m{seconds:02.0f}s"
+    if hours < 100:
+        return f"{int(hours)}h{int(minutes):02d}m{seconds:02.0f}s"
+    return f"{(hours + minutes / 60) / 24:,.1f} days"

@@ -23,8 +23,11 @@ log-probabilities are taken in float32. lm-eval is the optional extra `scratchlm
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import subprocess
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -172,7 +175,23 @@ def evaluate_tasks(
         where = f" or under {include_path}" if include_path else " (local tasks: --include-path DIR)"
         raise ValueError(f"no lm-eval task named {', '.join(unknown)}{where}")
     settings = {"limit": limit, "num_fewshot": num_fewshot, "log_samples": log_samples}
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **settings)
+    import lm_eval.evaluator
+
+    # lm-eval records the commit of the current directory's repository by running git, whose stderr is the
+    # terminal's: outside a repository, a stray "fatal: not a git repository". The same query, quiet.
+    with contextlib.ExitStack() as stack:
+        if hasattr(lm_eval.evaluator, "get_git_commit_hash"):
+            stack.enter_context(mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_commit))
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **settings)
+
+
+def _git_commit() -> str | None:
+    """`git describe --always` in the current directory, or None (not a repository, no git), saying nothing."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip()
 
 
 def results_table(results: dict[str, Any]) -> str:

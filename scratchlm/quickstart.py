@@ -55,7 +55,7 @@ from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, re
 from scratchlm.run.load import TrainedModel
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.budget import CALIBRATION_STEPS
-from scratchlm.training.config import TrainConfig, config_changes
+from scratchlm.training.config import TrainConfig, budget_seconds, config_changes
 from scratchlm.training.recipes import RECIPES as TRAINING_RECIPES
 from scratchlm.training.recipes import merged
 from scratchlm.training.trainer import train
@@ -219,11 +219,10 @@ def quickstart(
     """Build the corpus (the standard library's sources, or the files and directories of `text`), tokenizer
     and token files, train for `minutes` with `recipe`, evaluate, sample and plot; with `chat_minutes`, then
     fine-tune the model to chat for that long on the built-in conversations (`scratchlm.chat.pipeline`)."""
-    if not minutes > 0:
-        raise ScratchlmError(f"--minutes must be positive, got {minutes}")
-    if chat_minutes is not None and not chat_minutes > 0:
-        raise ScratchlmError(f"--chat-minutes must be positive, got {chat_minutes}")
-    stage = Stages(6 if chat_minutes is None else 9)
+    # Every argument is checked before any work starts: the chat stage's too, which runs last.
+    seconds = budget_seconds(minutes, "--minutes")
+    chat_seconds = None if chat_minutes is None else budget_seconds(chat_minutes, "--chat-minutes")
+    stage = Stages(6 if chat_seconds is None else 9)
     if recipe not in RECIPES:
         raise ScratchlmError(f"--recipe must be one of {', '.join(RECIPES)}; got {recipe!r}")
     device = str(resolve_device(device))
@@ -235,11 +234,9 @@ def quickstart(
     train_ids, valid_ids = np.load(data.train, mmap_mode="r"), np.load(data.valid, mmap_mode="r")
     console.print(f"train {len(train_ids):,} tokens, valid {len(valid_ids):,} tokens")
 
-    stage(f"training (at most {format_seconds(minutes * 60)})")
+    stage(f"training (at most {format_seconds(seconds)})")
     run_dir = out_dir / "run"
-    summary = train_within_budget(
-        size, data, run_dir, minutes * 60, device, out_dir / "schedule.json", recipe
-    )
+    summary = train_within_budget(size, data, run_dir, seconds, device, out_dir / "schedule.json", recipe)
 
     stage("validation loss on the whole validation file")
     trained = load_for_inference(run_dir, device, data.tokenizer)
@@ -259,9 +256,9 @@ def quickstart(
     console.print(f"wrote {loss_curve}")
 
     chat = None
-    if chat_minutes is not None:
+    if chat_seconds is not None:
         chat_size = CHAT_SMALL if small else CHAT_FULL
-        chat = chat_stages(run_dir, out_dir, chat_minutes * 60, device, chat_size, stage)
+        chat = chat_stages(run_dir, out_dir, chat_seconds, device, chat_size, stage)
 
     quick = QuickstartResult(
         out_dir=str(out_dir),

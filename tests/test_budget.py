@@ -226,7 +226,8 @@ def test_train_with_a_two_minute_budget_on_the_real_clock(tmp_path):
     run = tmp_path / "run"
     args = [
         "train", "--config", "configs/tiny.toml", "--set", f"data.train={train_file}",
-        "--set", f"data.valid={valid_file}", "--set", "training.max_steps=0", "--set", "training.max_time_s=120",
+        "--set", f"data.valid={valid_file}", "--set", "data.tokenizer=\"\"", "--set", "training.max_steps=0",
+        "--set", "training.max_time_s=120",
         "--set", "training.device=cpu", "--set", f"logging.run_dir={run}", "--set", "logging.log_interval=1",
     ]  # fmt: skip
     assert main(args) == 0

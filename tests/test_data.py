@@ -93,7 +93,7 @@ def test_missing_file(tmp_path):
 def test_not_an_npy_file(tmp_path):
     path = tmp_path / "text.npy"
     path.write_text("hello")
-    with pytest.raises(ScratchlmError, match=r"text\.npy is not a readable \.npy"):
+    with pytest.raises(ScratchlmError, match=r"text\.npy is not a \.npy file; expected the \.npy token ids"):
         load_tokens(path, 100, 8)
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("openai", reason="openai not installed (the test oracle)")
 from interop_helpers import run_cli  # noqa: E402
 from serve_helpers import Running, run_lm_eval, tiny_run  # noqa: E402
 
+from scratchlm.cli import main  # noqa: E402
 from scratchlm.generation.generate import generate_stream  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
 from scratchlm.tokenizer import END_OF_TEXT  # noqa: E402
@@ -223,6 +224,20 @@ def test_scratchlm_eval_tasks_runs_the_harness_in_process(trained, run_dir, task
             if metric in logged["results"][task]:
                 assert results["results"][task][metric] == pytest.approx(logged["results"][task][metric])
     check_scores(trained, logged["results"], logged["samples"], window=CONTEXT)
+
+
+def test_eval_tasks_outside_a_git_repository_prints_no_git_error(
+    run_dir, tasks_dir, tmp_path, monkeypatch, capfd
+) -> None:
+    """lm-eval asks git for the current directory's commit; outside a repository git must not be heard."""
+    monkeypatch.chdir(tmp_path)
+    status = main(
+        ["eval", "--run", str(run_dir), "--tasks", TASKS[0], "--include-path", str(tasks_dir),
+         "--precision", "fp32", "--limit", "2"]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    assert status == 0, err
+    assert "fatal" not in err and "not a git repository" not in err
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -72,17 +72,20 @@ VALID_SPLIT_SEED = 0  # the held-out conversations of a file without a valid fil
 
 
 def sft_config(
-    path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    flags: dict[str, tuple[str, Any]] | None = None,
 ) -> TrainConfig:
-    """The fine-tuning config: `SFT_DEFAULTS`, the file at `path`, the `overrides`, then the base's model
-    (its vocabulary grown for the chat tokens) `training.init_from = sft.base` and `sft.added_tokens`."""
+    """The fine-tuning config: `SFT_DEFAULTS`, the file at `path`, a command's `flags` (`TrainConfig.load`),
+    the `overrides`, then the base's model (its vocabulary grown for the chat tokens) `training.init_from =
+    sft.base` and `sft.added_tokens`."""
     from scratchlm.training.config import TrainConfig, read_toml  # which holds this module's section
 
     if path is not None and "model" in read_toml(Path(path)):
         raise ScratchlmError(f"{path}: a fine-tuning config has no [model]: the model is sft.base's")
     if any(o.strip().startswith("model.") for o in overrides):
         raise ScratchlmError("--set model.*: a fine-tuning run's model is sft.base's")
-    config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS)
+    config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS, flags=flags)
     if not config.sft.train:
         raise ScratchlmError("sft.train is required: the conversations to fine-tune on (JSONL)")
     base_model, tokenizer, added = _base(config.sft.base)

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for hints that repeat it
     try:
         with _termination_interrupts():
             status = args._run(args)

@@ -25,9 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from scratchlm.console import console, format_seconds
+    from scratchlm.errors import ScratchlmError
     from scratchlm.tokenizer.encode_file import encode_file
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
+    if args.workers is not None and args.workers < 1:
+        raise ScratchlmError(f"--workers must be at least 1, got {args.workers}")
     tokenizer = Tokenizer.from_dir(args.tokenizer)
     summary = encode_file(tokenizer, args.input, args.output, workers=args.workers)
     console.print(
@@ -36,3 +39,5 @@ def run(args: argparse.Namespace) -> None:
         f"{summary.mb_per_s:.1f} MB/s, {summary.bytes_per_token:.2f} bytes/token, "
         f"{summary.workers} worker(s), peak memory {summary.peak_memory_mb:.0f} MB"
     )
+    if summary.num_tokens == 0:
+        console.print(f"warning: {args.input} holds no text: the token file is empty", style="yellow")

@@ -50,6 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from scratchlm.errors import ScratchlmError
+
+    # Checked before the model loads, and named by their flags.
+    if args.batch_size < 1:
+        raise ScratchlmError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.limit is not None and not args.limit > 0:
+        raise ScratchlmError(
+            f"--limit must be positive (documents, or below 1 a share of them), got {args.limit}"
+        )
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ScratchlmError(f"--num-fewshot must be at least 0, got {args.num_fewshot}")
     if args.tasks is not None:
         return run_tasks(args)
     import time
@@ -59,6 +70,12 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.evaluation import evaluate
 
     model = load_for_inference(args)[0].model
+    longest = model.config.context_length
+    if args.context_length is not None and not 1 <= args.context_length <= longest:
+        raise ScratchlmError(
+            f"--context-length must be between 1 and the model's context length {longest}, got "
+            f"{args.context_length}"
+        )
     tokens = load_tokens(args.data, model.config.vocab_size, 1)
     start = time.perf_counter()
     result = evaluate(

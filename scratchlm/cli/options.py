@@ -1,12 +1,15 @@
-"""Options shared by several commands, defined once: the trained model to load (`eval`, `generate`, `chat`),
-the device, how text is sampled (`generate`, `chat`), and the config with its repeatable `--set` for the commands that take a training config (`train`,
-`sweep`)."""
+"""Options shared by several commands, defined once so that a flag means the same on every command (the table
+of them is docs/cli.md): `--out`, `--minutes`, `--device`, `--precision`, the trained model to load (`--run`
+or `--checkpoint`: `eval`, `generate`, `chat`, `serve`, `export`), how text is sampled (`generate`, `chat`),
+and the config with its repeatable `--set` for the commands that take a training config (`train`, `sft`,
+`sweep`, `doctor`). On `train` and `sft`, `--out`, `--minutes`, `--device` and `--precision` set config keys
+(`config_flags`), and a mistake in one is named by its flag."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -15,13 +18,85 @@ if TYPE_CHECKING:
     from scratchlm.generation.sampling import SamplingOptions
     from scratchlm.run.load import TrainedModel
 
+# The config key each flag sets on the commands that train (`config_flags`).
+CONFIG_KEYS = {
+    "out": "logging.run_dir",
+    "minutes": "training.max_time_s",
+    "device": "training.device",
+    "precision": "training.precision",
+}
 
-def add_device_argument(parser: argparse.ArgumentParser) -> None:
+
+def add_out_argument(
+    parser: argparse.ArgumentParser,
+    what: str,
+    default: str | None = None,
+    metavar: str = "DIR",
+    required: bool = False,
+    aliases: tuple[str, ...] = (),
+) -> None:
+    """`--out PATH`: where the command writes (`what`), its default shown in the help; `aliases` are older
+    spellings that still work."""
+    shown = "" if default is None or required else f" (default: {default})"
+    parser.add_argument(
+        "--out", *aliases, dest="out", default=default, required=required, metavar=metavar, help=what + shown
+    )
+
+
+def add_minutes_argument(parser: argparse.ArgumentParser, what: str, default: float | None = None) -> None:
+    """`--minutes M`: the training time budget (checked by `scratchlm.training.config.budget_seconds`)."""
+    shown = "" if default is None else f" (default: {default:g})"
+    parser.add_argument("--minutes", type=float, default=default, metavar="M", help=what + shown)
+
+
+def add_device_argument(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """`--device`; `default=None` on the commands that train: the config's training.device then."""
+    shown = "auto" if default == "auto" else "the config's training.device"
     parser.add_argument(
         "--device",
-        default="auto",
-        help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps (default: auto)",
+        default=default,
+        help=f"auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps (default: {shown})",
     )
+
+
+def add_precision_argument(parser: argparse.ArgumentParser, inference: bool = True) -> None:
+    """`--precision`: the model's weights and KV caches (`inference`), or training.precision (default: the
+    config's)."""
+    from scratchlm.precisions import PRECISIONS
+
+    auto = (
+        "auto: bf16 where the device computes it natively and fast (measured), fp16 on a GPU with fast fp16 "
+        "only, else fp32"
+    )
+    if inference:
+        what = (
+            "; the weights are held in it, and the KV caches on a GPU (on a CPU they are float32, what a "
+            "decode step attends in) (default auto)"
+        )
+    else:
+        what = "; bf16 and fp16 autocast the matmuls: training.precision (default: the config's)"
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="auto" if inference else None, help=auto + what
+    )
+
+
+def config_flags(
+    args: argparse.Namespace, more: dict[str, tuple[str, Any]] | None = None
+) -> dict[str, tuple[str, Any]]:
+    """The config keys that the shared flags of a command that trains set (`CONFIG_KEYS`), as
+    `TrainConfig.load` takes them: flag as typed -> (key, value); `--minutes` checked and in seconds. `more`:
+    the command's own, by flag."""
+    from scratchlm.training.config import budget_seconds
+
+    flags = {}
+    for name, key in CONFIG_KEYS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name == "minutes":
+            value = budget_seconds(value, unlimited="leave --minutes out for no time limit")
+        flags[f"--{name}"] = (key, value)
+    return flags | {flag: item for flag, item in (more or {}).items() if item[1] is not None}
 
 
 def add_model_source_arguments(
@@ -39,18 +114,8 @@ def add_model_source_arguments(
             help="tokenizer directory (default: the run's own, else the one recorded in the training config)",
         )
     add_device_argument(parser)
-    if not precision:
-        return
-    from scratchlm.precisions import PRECISIONS
-
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="auto",
-        help="auto: bf16 where the device computes it natively and fast (measured), fp16 on a GPU with fast "
-        "fp16 only, else fp32; the weights are held in it, and the KV caches on a GPU (on a CPU they are "
-        "float32, what a decode step attends in) (default auto)",
-    )
+    if precision:
+        add_precision_argument(parser)
 
 
 def inference_plan(args: argparse.Namespace, device: torch.device) -> Plan:
@@ -106,10 +171,13 @@ def sampling_options(args: argparse.Namespace) -> SamplingOptions:
 
 def add_config_arguments(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
     """The training config and its repeatable `--set` overrides: `--config FILE` and `--set KEY=VALUE` into
-    `args.overrides` for `train`; a positional `CONFIG` and `--set KEY=V1,V2,...` (one axis of the grid) into
-    `args.axes` for `sweep`."""
+    `args.overrides` for `train`; a positional `CONFIG` (or `--config CONFIG`, into `args.config_option`) and
+    `--set KEY=V1,V2,...` (one axis of the grid) into `args.axes` for `sweep`."""
     if sweep:
-        parser.add_argument("config", metavar="CONFIG", help="base TOML training config")
+        parser.add_argument("config", nargs="?", metavar="CONFIG", help="base TOML training config")
+        parser.add_argument(
+            "--config", dest="config_option", metavar="CONFIG", help="the same, as a flag (as for train)"
+        )
         set_help = (
             "values of one key, one run each (repeatable: the grid of all combinations); a single value "
             "overrides the key for every run"
@@ -150,3 +218,13 @@ def load_model_source(args: argparse.Namespace, require_tokenizer: bool = False)
     if require_tokenizer and trained.tokenizer is None:
         raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
     return trained
+
+
+def rerun_to_continue(args: argparse.Namespace) -> str:
+    """The hint of a command that resumes when it runs again (`quickstart`, `sweep`), with the command as the
+    user typed it."""
+    import shlex
+
+    argv = getattr(args, "argv", None)
+    command = f"`scratchlm {shlex.join(argv)}`" if argv else "the same command"
+    return f"rerun {command} to continue"

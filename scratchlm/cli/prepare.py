@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> None:
         train, valid = dataset_text_files(source[0], directory)
         if not train.exists():
             raise ScratchlmError(
-                f"{train} not found; run `scratchlm download {source[0]} --dir {directory}` first"
+                f"{train} not found; run `scratchlm download {source[0]} --out {directory}` first"
             )
         vocab_size = args.vocab_size or VOCAB_SIZES[source[0]]
     elif len(source) == 1 and Path(source[0]).is_dir():

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_device_argument
+from scratchlm.cli.options import (
+    add_device_argument,
+    add_minutes_argument,
+    add_out_argument,
+    rerun_to_continue,
+)
 
+CHAT_MINUTES = 3.0  # --chat's fine-tuning time
 HELP = (
     "Train a tokenizer and a small model on the Python standard library's sources (or on your own text), "
     "evaluate and sample."
@@ -13,16 +19,8 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--out", default="runs/quickstart", metavar="DIR", help="output directory (default: runs/quickstart)"
-    )
-    parser.add_argument(
-        "--minutes",
-        type=float,
-        default=5.0,
-        metavar="M",
-        help="training time of the model in minutes (default: 5)",
-    )
+    add_out_argument(parser, "output directory", default="runs/quickstart")
+    add_minutes_argument(parser, "training time of the model in minutes", default=5.0)
     parser.add_argument(
         "--small",
         action="store_true",
@@ -50,22 +48,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-minutes",
         type=float,
-        default=3.0,
         metavar="M",
-        help="with --chat: fine-tuning time in minutes (default: 3)",
+        help=f"with --chat: fine-tuning time in minutes (default: {CHAT_MINUTES:g})",
     )
     add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:
+    from scratchlm.errors import ScratchlmError
     from scratchlm.quickstart import quickstart
+    from scratchlm.training.report import resume_hint
 
-    quickstart(
-        args.out,
-        minutes=args.minutes,
-        small=args.small,
-        device=args.device,
-        recipe=args.recipe,
-        text=args.text,
-        chat_minutes=args.chat_minutes if args.chat else None,
-    )
+    if args.chat_minutes is not None and not args.chat:
+        raise ScratchlmError("--chat-minutes is the fine-tuning time of --chat: add --chat, or leave it out")
+    # An interrupted quickstart resumes when the same command runs again (it has no --resume).
+    with resume_hint(rerun_to_continue(args)):
+        quickstart(
+            args.out,
+            minutes=args.minutes,
+            small=args.small,
+            device=args.device,
+            recipe=args.recipe,
+            text=args.text,
+            chat_minutes=(args.chat_minutes or CHAT_MINUTES) if args.chat else None,
+        )

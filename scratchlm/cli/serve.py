@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.errors import ScratchlmError
 
     try:
-        from scratchlm.serving.server import build_server
+        from scratchlm.serving.server import build_server, listen
     except ImportError as e:
         raise ScratchlmError(
             f"serving needs Starlette and uvicorn ({e.name} is not installed): pip install 'scratchlm[serve]'"
@@ -56,30 +56,33 @@ def run(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.port <= 65535:
         raise ScratchlmError(f"--port must be in 0..65535, got {args.port}")
-    trained, choices = load_for_inference(args, require_tokenizer=True)
-    tokenizer = trained.tokenizer
-    name = model_name(args.run, trained.checkpoint)
-    console.print(choices.summary(), markup=False)
-    engine = Engine(
-        trained.model,
-        tokenizer.eos_id,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        stop_ids=end_ids(tokenizer),
-    )
-    server = build_server(engine, tokenizer, name, args.host, args.port, args.api_key)
-    engine.start()
-    try:
-        parameters = trained.model.num_parameters()
-        url = f"http://{args.host}:{args.port}"
-        console.print(f"serving {name} ({parameters / 1e6:.1f}M parameters) from {trained.checkpoint}")
-        console.print(f"  page: {url}/")
-        api = "OpenAI completions" + (" and chat completions" if tokenizer.chat_template is not None else "")
-        console.print(f"  API:  {url}/v1  ({api}; model name '{name}')")
-        console.print("Ctrl-C to stop", style="dim")
-        server.run()
-    finally:
-        engine.stop()
+    # Bound before anything loads: a port in use is a one-line error, not a page address and then uvicorn's.
+    with listen(args.host, args.port) as sock:
+        port = sock.getsockname()[1]  # the free one the system chose for --port 0
+        trained, choices = load_for_inference(args, require_tokenizer=True)
+        tokenizer = trained.tokenizer
+        name = model_name(args.run, trained.checkpoint)
+        console.print(choices.summary(), markup=False)
+        engine = Engine(
+            trained.model,
+            tokenizer.eos_id,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            stop_ids=end_ids(tokenizer),
+        )
+        server = build_server(engine, tokenizer, name, args.host, port, args.api_key)
+        engine.start()
+        try:
+            parameters = trained.model.num_parameters()
+            url = f"http://{args.host}:{port}"
+            console.print(f"serving {name} ({parameters / 1e6:.1f}M parameters) from {trained.checkpoint}")
+            console.print(f"  page: {url}/")
+            chat = " and chat completions" if tokenizer.chat_template is not None else ""
+            console.print(f"  API:  {url}/v1  (OpenAI completions{chat}; model name '{name}')")
+            console.print("Ctrl-C to stop", style="dim")
+            server.run(sockets=[sock])
+        finally:
+            engine.stop()
 
 
 def model_name(run: str | None, checkpoint: Path) -> str:

@@ -1,16 +1,33 @@
-"""`scratchlm sft --base RUN --data CONVERSATIONS.jsonl --out RUN [--valid FILE] [--minutes M] [--config FILE]
+"""`scratchlm sft --base RUN --data CONVERSATIONS.jsonl [--out DIR] [--valid FILE] [--minutes M] [--config FILE]
 [--set section.key=value ...] [--resume]`: fine-tune a base run to chat (`scratchlm.chat.sft`). Ctrl-C and
 SIGTERM save a checkpoint, as `train` does; `--resume` continues.
+
+The flags set config keys (named in their help) over the config file's, and `--set` over them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
-from scratchlm.cli.options import add_config_arguments
+from scratchlm.cli.options import (
+    add_config_arguments,
+    add_device_argument,
+    add_minutes_argument,
+    add_out_argument,
+    add_precision_argument,
+    config_flags,
+)
 
 HELP = "Fine-tune a base run on conversations (JSONL, OpenAI's messages format) into a chat model."
+
+# SFT_DEFAULTS' logging.run_dir (scratchlm.chat.sft, which imports torch: --help answers without it).
+DEFAULT_OUT = "runs/sft"
+
+# The flags a fine-tuning run cannot do without, unless the config (or a --set) gives their key.
+REQUIRED = {
+    "--base": ("sft.base", "the run (or imported model) to fine-tune"),
+    "--data": ("sft.train", "the conversations to fine-tune on (JSONL)"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,10 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--valid", metavar="JSONL", help="held-out conversations (default: 5%% of --data): sft.valid"
     )
-    parser.add_argument("--out", metavar="DIR", help="the fine-tuning run's directory: logging.run_dir")
-    parser.add_argument(
-        "--minutes", type=float, metavar="M", help="time budget in minutes: training.max_time_s = 60 M"
+    add_out_argument(
+        parser,
+        f"the fine-tuning run's directory: logging.run_dir (default: the config's, else {DEFAULT_OUT})",
     )
+    add_minutes_argument(
+        parser, "time budget in minutes: training.max_time_s = 60 M (default: the config's, else none)"
+    )
+    add_device_argument(parser, default=None)
+    add_precision_argument(parser, inference=False)
     add_config_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     parser.add_argument(
@@ -37,22 +59,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from scratchlm.errors import ScratchlmError
-
-    flags = {
-        "sft.base": args.base,
-        "sft.train": args.data,
-        "sft.valid": args.valid,
-        "logging.run_dir": args.out,
-    }
-    overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
-    if args.minutes is not None:
-        if not args.minutes > 0:
-            raise ScratchlmError(f"--minutes must be positive, got {args.minutes}")
-        overrides.append(f"training.max_time_s={args.minutes * 60}")
     from scratchlm.chat.sft import sft_config
 
-    config = sft_config(args.config, [*overrides, *args.overrides])
+    own = {
+        "--base": ("sft.base", args.base),
+        "--data": ("sft.train", args.data),
+        "--valid": ("sft.valid", args.valid),
+    }
+    flags = config_flags(args, own)
+    _check_required(args, flags)
+    config = sft_config(args.config, args.overrides, flags)
     from scratchlm.training.trainer import train
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)
+
+
+def _check_required(args: argparse.Namespace, flags: dict) -> None:
+    """Name a missing `REQUIRED` flag as the flag, before the config's checks would name its key."""
+    from pathlib import Path
+
+    from scratchlm.errors import ScratchlmError
+    from scratchlm.training.config import parse_override, read_toml
+
+    given = {".".join(parse_override(o)[:2]) for o in args.overrides}
+    if args.config is not None:
+        given |= {
+            f"{s}.{k}"
+            for s, table in read_toml(Path(args.config)).items()
+            if isinstance(table, dict)
+            for k in table
+        }
+    for flag, (key, what) in REQUIRED.items():
+        if flag not in flags and key not in given:
+            raise ScratchlmError(f"{flag} is required: {what} (or {key} in the --config file)")

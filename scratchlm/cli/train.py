@@ -1,6 +1,9 @@
-"""`scratchlm train --config FILE [--set section.key=value ...] [--resume [--allow-config-change]]`: train a
-language model. SIGINT (Ctrl-C), SIGTERM and SIGHUP save a checkpoint after the current step and exit with
-130 / 143 / 129 (docs/stopping.md).
+"""`scratchlm train --config FILE [--out DIR] [--minutes M] [--set section.key=value ...] [--resume
+[--allow-config-change]]`: train a language model. SIGINT (Ctrl-C), SIGTERM and SIGHUP save a checkpoint after
+the current step and exit with 130 / 143 / 129 (docs/stopping.md).
+
+`--out`, `--minutes`, `--device`, `--precision` and `--init-from` are the config keys most often changed, as
+flags (docs/cli.md); `--set` overrides any key, after them.
 
 Several processes (GPUs or machines): `torchrun --nproc_per_node K -m scratchlm train --config FILE`.
 """
@@ -9,13 +12,28 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.options import add_config_arguments
+from scratchlm.cli.options import (
+    add_config_arguments,
+    add_device_argument,
+    add_minutes_argument,
+    add_out_argument,
+    add_precision_argument,
+    config_flags,
+)
 
 HELP = "Train a Transformer language model on token files (.npy), as a TOML config says."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    add_out_argument(parser, "the run's directory: logging.run_dir (default: the config's)")
+    add_minutes_argument(
+        parser,
+        "time budget in minutes: training.max_time_s = 60 M; the schedule is sized to the steps that fit "
+        "(default: the config's)",
+    )
+    add_device_argument(parser, default=None)
+    add_precision_argument(parser, inference=False)
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in logging.run_dir from its latest checkpoint"
     )
@@ -34,15 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import json
-
     from scratchlm.training.config import TrainConfig
 
-    overrides = list(args.overrides)
-    if args.init_from is not None:
-        # As a TOML string, whatever the path looks like.
-        overrides.append(f"training.init_from={json.dumps(args.init_from)}")
-    config = TrainConfig.load(args.config, overrides)  # a mistake in it is reported before torch loads
+    flags = config_flags(args, {"--init-from": ("training.init_from", args.init_from)})
+    config = TrainConfig.load(args.config, args.overrides, flags=flags)  # reported before torch loads
     if config.sft.train:
         from scratchlm.errors import ScratchlmError
 

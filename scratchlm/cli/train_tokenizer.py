@@ -62,6 +62,11 @@ def run(args: argparse.Namespace) -> None:
         # vocab.json maps token text to one id: a one-byte special token would share its text with that byte.
         if len(token.encode("utf-8")) == 1:
             raise ScratchlmError(f"special token {token!r} is a single byte, which is already a token")
+    if args.workers is not None and args.workers < 1:
+        raise ScratchlmError(f"--workers must be at least 1, got {args.workers}")
+    if Path(args.input).is_file() and Path(args.input).stat().st_size == 0:
+        # It would "train" a vocabulary of the 256 bytes and the special tokens alone.
+        raise ScratchlmError(f"{args.input} is empty: there is no text to learn merges from")
     out = Path(args.out)
     _check_output(out, Path(args.input))
 
@@ -79,13 +84,15 @@ def run(args: argparse.Namespace) -> None:
         f"longest token: {longest.decode('utf-8', errors='backslashreplace')!r} ({len(longest)} bytes)",
     ]
     asked = args.vocab_size - 256 - len(special_tokens)
-    if len(merges) < asked:
-        lines.append(
-            f"stopped early: no pair of tokens was left to merge after {len(merges):,} merges "
-            f"({asked:,} asked for), so the vocabulary has {len(vocab):,} tokens instead of {args.vocab_size:,}"
-        )
     lines.append(f"saved to {out}")
     console.print("\n".join(lines), soft_wrap=True)
+    if len(merges) < asked:
+        console.print(
+            f"warning: stopped early: no pair of tokens was left to merge after {len(merges):,} merges "
+            f"({asked:,} asked for), so the vocabulary has {len(vocab):,} tokens instead of {args.vocab_size:,}",
+            style="yellow",
+            soft_wrap=True,
+        )
 
 
 def _check_output(out: Path, source: Path) -> None:

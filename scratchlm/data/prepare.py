@@ -57,6 +57,8 @@ def prepare_data(
     for path in (train_text, valid_text):
         if not path.is_file():
             raise ScratchlmError(f"text file {path} not found")
+        if path.stat().st_size == 0:
+            raise ScratchlmError(f"text file {path} is empty")
 
     prepared = PreparedData(out_dir / "tokenizer", out_dir / "train.npy", out_dir / "valid.npy")
 

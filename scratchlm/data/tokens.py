@@ -102,14 +102,25 @@ class TokenWindows:
         return [self.draw(batch_size, generator) for _ in range(iters)]
 
 
+NPY_MAGIC = b"\x93NUMPY"  # how every .npy file starts
+
+
 def load_tokens(path: str | Path, vocab_size: int, context_length: int) -> np.ndarray:
     """Memory-map a `.npy` token file and check it: 1-D integers, every id < `vocab_size`, long enough."""
     path = Path(path)
     if not path.is_file():
         raise ScratchlmError(f"token file {path} not found")
+    with path.open("rb") as f:
+        start = f.read(len(NPY_MAGIC))
+    if start != NPY_MAGIC:  # text, most often: numpy would answer about pickled data
+        what = "an empty file" if not start else "not a .npy file"
+        raise ScratchlmError(
+            f"token file {path} is {what}; expected the .npy token ids that `scratchlm encode` or "
+            "`scratchlm prepare` make from text"
+        )
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, EOFError) as e:
         raise ScratchlmError(f"token file {path} is not a readable .npy array: {e}") from None
     if tokens.dtype.kind not in "ui":
         raise ScratchlmError(
@@ -117,6 +128,8 @@ def load_tokens(path: str | Path, vocab_size: int, context_length: int) -> np.nd
         )
     if tokens.ndim != 1:
         raise ScratchlmError(f"token file {path} has shape {tokens.shape}; expected a 1-D array of token ids")
+    if len(tokens) == 0:
+        raise ScratchlmError(f"token file {path} holds no tokens (was its text empty?)")
     if len(tokens) < context_length + 1:
         raise ScratchlmError(
             f"token file {path} has {len(tokens)} tokens; context_length {context_length} needs at least "

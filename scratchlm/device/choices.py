@@ -78,9 +78,10 @@ def resolve_precision(
         warnings = []
         rate = profile.rate(requested)
         if requested != "fp32" and rate and rate * SLOW_FACTOR < fp32:
+            auto = resolve_precision("auto", profile, option)[0].value  # what this device's plan would pick
             warnings.append(
                 f"{option} = {requested} on a device that computes it {fp32 / rate:.0f}x slower than fp32 "
-                f'({rates(requested)}); "auto" would choose fp32'
+                f'({rates(requested)}); "auto" would choose {auto}'
             )
         return Choice(requested, f"{option} = {requested}"), warnings
     if profile.type == "mps":

@@ -8,10 +8,14 @@ a plain one gets a 503), so the open connections close at once and no generation
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from types import FrameType
 
 import uvicorn
 
+from scratchlm.errors import ScratchlmError
 from scratchlm.serving.api import create_app
 from scratchlm.serving.engine import Engine
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -45,3 +49,19 @@ def build_server(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, access_log=False
     )
     return Server(config, engine)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` and listening, for `Server.run(sockets=[...])`: bound before the model
+    loads and anything is announced, so that a port in use or an unknown host is a one-line error, not a
+    page address followed by uvicorn's."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise ScratchlmError(f"--host {host}: {e.strerror}") from None
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        hint = "; choose another --port (0: any free one)" if e.errno == errno.EADDRINUSE else ""
+        reason = os.strerror(e.errno) if e.errno else str(e)  # create_server adds the address to strerror
+        raise ScratchlmError(f"cannot listen on {host}:{port}: {reason.lower()}{hint}") from None

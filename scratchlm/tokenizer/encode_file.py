@@ -86,7 +86,8 @@ def encode_file(
             else f"input file not found: {input_path}"
         )
     check_output_file(output_path, [input_path], previous=_is_npy, what="a .npy file")
-    workers = workers or os.cpu_count() or 1
+    if workers is None:
+        workers = os.cpu_count() or 1
     if workers < 1:
         raise ScratchlmError(f"workers must be at least 1, got {workers}")
     dtype = token_dtype(tokenizer.vocab_size)

@@ -128,19 +128,24 @@ class TrainConfig:
         path: str | Path | None = None,
         overrides: list[str] | tuple[str, ...] = (),
         defaults: dict[str, dict[str, Any]] | None = None,
+        flags: dict[str, tuple[str, Any]] | None = None,
     ) -> TrainConfig:
         """Defaults (the dataclasses', then `defaults`: a command's own, such as fine-tuning's), then the TOML
-        file at `path` (if any), then the `section.key=value` overrides."""
+        file at `path` (if any), then `flags`, then the `section.key=value` overrides. `flags` are a command's
+        own options for config keys, each named as the user typed it so that an error names it too:
+        `{"--out": ("logging.run_dir", "runs/x")}`."""
         values, source = merged(defaults or {}, {}), "config"
         if path is not None:
             path, source = Path(path), str(path)
             values = merged(values, read_toml(path))
-        for override in overrides:
-            section, key, value = parse_override(override)
-            _build_section(section, SECTIONS.get(section), {key: value}, f"--set {override}", construct=False)
+        settings = [(flag, *key.split(".", 1), value) for flag, (key, value) in (flags or {}).items()]
+        settings += [(f"--set {override}", *parse_override(override)) for override in overrides]
+        for name, section, key, value in settings:
+            _build_section(section, SECTIONS.get(section), {key: value}, name, construct=False)
             values.setdefault(section, {})[key] = value
-        if overrides:
-            source = f"{source} with --set overrides" if path is not None else "--set overrides"
+        given = [*(flags or {}), *(["--set overrides"] if overrides else [])]
+        if given:
+            source = f"{source} with {', '.join(given)}" if path is not None else ", ".join(given)
         return cls.from_dict(values, source)
 
     @classmethod
@@ -204,6 +209,11 @@ class TrainConfig:
         for key, value in non_negative.items():
             if not value >= 0:
                 raise ScratchlmError(f"{source}: {key} must be >= 0, got {value!r}")
+        if not t.max_time_s <= MAX_TIME_S:  # infinite, or a slip of units
+            raise ScratchlmError(
+                f"{source}: training.max_time_s must be at most {MAX_TIME_S:,.0f} seconds (a year; 0: no time "
+                f"limit), got {t.max_time_s!r}{_duration(t.max_time_s)}"
+            )
         if not all(0 <= beta < 1 for beta in self.optimizer.betas):
             raise ScratchlmError(
                 f"{source}: optimizer.betas must lie in [0, 1), got {list(self.optimizer.betas)}"
@@ -249,6 +259,30 @@ class TrainConfig:
         for name, changes in sections.items():
             values.setdefault(name, {}).update(changes)
         return TrainConfig.from_dict(values)
+
+
+# The longest time budget accepted, a year: a longer one is a slip (seconds typed as minutes, an exponent too
+# many), and an infinite one sizes no schedule. No time limit is said by leaving the budget out (0).
+MAX_TIME_S = 365 * 24 * 3600.0
+
+
+def budget_seconds(minutes: float, flag: str = "--minutes", unlimited: str = "") -> float:
+    """The time budget in seconds of a command's `flag` (`--minutes M`), checked before any work starts: more
+    than 0 and at most `MAX_TIME_S`. `unlimited` says how the command runs without a limit, for the error."""
+    if not 0 < minutes <= MAX_TIME_S / 60:
+        hint = f"; {unlimited}" if unlimited else ""
+        raise ScratchlmError(
+            f"{flag} must be a number of minutes above 0 and at most {MAX_TIME_S / 60:,.0f} (a year), got "
+            f"{minutes:g}{_duration(minutes * 60)}{hint}"
+        )
+    return minutes * 60
+
+
+def _duration(seconds: float) -> str:
+    """`" (3,472.2 days)"` for a time too long to be meant; "" otherwise."""
+    from scratchlm.console import format_seconds
+
+    return f" ({format_seconds(seconds)})" if math.isfinite(seconds) and seconds > MAX_TIME_S else ""
 
 
 def training_section(overrides: list[str] | tuple[str, ...] = ()) -> TrainingConfig:

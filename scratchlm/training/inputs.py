@@ -4,6 +4,7 @@ before anything is written."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from scratchlm.data.tokens import TokenWindows, load_tokens
 from scratchlm.errors import ScratchlmError
@@ -47,6 +48,12 @@ def load_training_data(config: TrainConfig, run_dir: RunDirectory) -> TrainingDa
 def _load_tokenizer(config: TrainConfig, run_dir: RunDirectory) -> Tokenizer | None:
     if not config.data.tokenizer:
         return None
+    if not Path(config.data.tokenizer).is_dir():
+        raise ScratchlmError(
+            f"data.tokenizer {config.data.tokenizer} is not a directory: set it to the tokenizer that made the "
+            'token files (--set data.tokenizer=DIR; `scratchlm prepare` writes one beside them), or to "" '
+            "to train without one"
+        )
     tokenizer = Tokenizer.from_dir(config.data.tokenizer)
     check_pair(config.model, tokenizer, None, f"data.tokenizer {config.data.tokenizer}", "[model]")
     _check_run_copy(tokenizer, f"data.tokenizer {config.data.tokenizer}", run_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -83,6 +84,33 @@ class Interval:
         return tokens_per_s
 
 
+# Said at the start of a run trained without a tokenizer, which its token files alone do not record.
+NO_TOKENIZER = (
+    "no tokenizer (data.tokenizer is not set): generate, chat, serve and export will need --tokenizer DIR "
+    "for this run; to record one, set data.tokenizer to the tokenizer that made the token files "
+    "(--set data.tokenizer=DIR)"
+)
+
+# How the user continues a run that stopped before its end, as the command that trains it says it: `train` and
+# `sft` take --resume; `quickstart` and `sweep` resume when the same command runs again (`resume_hint`).
+_RESUME_HINT: ContextVar[str] = ContextVar("resume_hint", default="continue with --resume")
+
+
+@contextlib.contextmanager
+def resume_hint(text: str) -> Iterator[None]:
+    """Within the block, an interrupted run says `text` (e.g. "rerun `scratchlm quickstart` to continue")."""
+    token = _RESUME_HINT.set(text)
+    try:
+        yield
+    finally:
+        _RESUME_HINT.reset(token)
+
+
+def how_to_resume() -> str:
+    """What an interrupted run tells the user to do to continue it (`resume_hint`)."""
+    return _RESUME_HINT.get()
+
+
 class Reporter:
     """The console, the metrics log and the summary of one session; silent outside the main process."""
 
@@ -114,7 +142,7 @@ class Reporter:
         resolved = f"resolved to {precision.value!r} on {choices.profile.name}: {precision.reason}"
         self.run_dir.create(config.to_toml(notes={"training.precision": resolved}), tokenizer)
         console.print(choices.summary(), markup=False, highlight=False)
-        for warning in choices.warnings:
+        for warning in [*choices.warnings, *([NO_TOKENIZER] if tokenizer is None else [])]:
             console.print(f"warning: {warning}", style="yellow", markup=False)
         steps = (
             f"as many steps as fit in {format_seconds(budget.seconds)}"
@@ -189,7 +217,7 @@ class Reporter:
             f"{summary.stopped.value} at step {summary.steps} after {format_seconds(summary.wall_time_s)}: "
             f"train loss {_fmt(summary.final_train_loss)}, val loss {_fmt(summary.final_val_loss)}; "
             f"checkpoint in {self.run_dir.checkpoints_dir}"
-            + ("" if summary.stopped is StopReason.FINISHED else " (continue with --resume)")
+            + ("" if summary.stopped is StopReason.FINISHED else f" ({how_to_resume()})")
         )
 
     def already_finished(self, step: int, without_losses: RunSummary) -> RunSummary:

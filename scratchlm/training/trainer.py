@@ -52,7 +52,7 @@ from scratchlm.training.distributed import (
 from scratchlm.training.inputs import TrainingData, load_training_data
 from scratchlm.training.loss_scale import LossScaler
 from scratchlm.training.optimizers import build_optimizer
-from scratchlm.training.report import Interval, Reporter
+from scratchlm.training.report import Interval, Reporter, how_to_resume
 from scratchlm.training.signals import StopRequest
 from scratchlm.training.start import Progress, restore, start_from_weights
 from scratchlm.training.step import TrainStep
@@ -336,7 +336,7 @@ class _Run:
         if self.interval.steps:
             self.interval.means(self.step, self.run_dir)
         if (path := self._save()) is not None:
-            console.print(f"saved {path}; continue with --resume")
+            console.print(f"saved {path}; {how_to_resume()}")
 
     def _end_session(self) -> None:
         """The loop has ended: check the last steps, evaluate the model as it is now, save it."""
