@@ -6,6 +6,7 @@ Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm trai
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,9 @@ from scratchlm.training.config import TrainConfig
 TOLERANCE = {"fp32": 1e-5, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
-@pytest.mark.parametrize("precision", TOLERANCE)
-def test_two_processes_match_one(tmp_path: Path, precision: str):
-    rtol = TOLERANCE[precision]
+def ddp_config(tmp_path: Path, precision: str = "fp32") -> Path:
+    """A tiny run (random tokens, 6 steps of a global batch of 8) written as `tmp_path/config.toml`, whose
+    path it returns; each process takes 4 sequences as 2 micro-batches of 2 when two share it."""
     tokens = np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16)
     np.save(tmp_path / "train.npy", tokens)
     np.save(tmp_path / "valid.npy", tokens[:800])
@@ -41,7 +42,6 @@ def test_two_processes_match_one(tmp_path: Path, precision: str):
             # batch barely uses) would otherwise be stepped by ±lr in a direction the rounding picks.
             "optimizer": {"lr": 1e-2, "eps": 1e-6},
             "schedule": {"warmup_iters": 2},
-            # per process: 4 sequences as 2 micro-batches of 2
             "training": {
                 "batch_size": 8,
                 "grad_accum": 2,
@@ -54,29 +54,81 @@ def test_two_processes_match_one(tmp_path: Path, precision: str):
             "logging": {"run_dir": str(tmp_path / "one"), "log_interval": 1},
         }
     )
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(config.to_toml())
-    train(config.replace(training={"grad_accum": 1}))  # the whole global batch at once, in this process
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml())
+    return path
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+def torchrun(*launcher: str, config: Path, run_dir: Path) -> subprocess.Popen:
+    """`torchrun LAUNCHER... -m scratchlm train --config CONFIG` into `run_dir`, started (one thread a
+    process); `finish` waits for it."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "scratchlm", "train", "--config", str(config_path), "--set", f"logging.run_dir={tmp_path / 'two'}",
+        sys.executable, "-m", "torch.distributed.run", *launcher,
+        "-m", "scratchlm", "train", "--config", str(config), "--set", f"logging.run_dir={run_dir}",
     ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def metrics(run: str, key: str) -> list[float]:
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        return [r[key] for r in map(json.loads, lines) if key in r]
 
-    np.testing.assert_allclose(metrics("two", "train_loss"), metrics("one", "train_loss"), rtol=rtol)
-    np.testing.assert_allclose(metrics("two", "grad_norm"), metrics("one", "grad_norm"), rtol=10 * rtol)
-    np.testing.assert_allclose(metrics("two", "val_loss"), metrics("one", "val_loss"), rtol=rtol)
-    assert len(metrics("two", "train_loss")) == 6  # rank 0 alone wrote the records
+def finish(process: subprocess.Popen) -> None:
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+
+
+def metrics(run_dir: Path, key: str) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r[key] for r in map(json.loads, lines) if key in r]
+
+
+@pytest.mark.parametrize("precision", TOLERANCE)
+def test_two_processes_match_one(tmp_path: Path, precision: str):
+    rtol = TOLERANCE[precision]
+    config_path = ddp_config(tmp_path, precision)
+    config = TrainConfig.load(config_path)
+    train(config.replace(training={"grad_accum": 1}))  # the whole global batch at once, in this process
+    finish(torchrun("--standalone", "--nproc_per_node", "2", config=config_path, run_dir=tmp_path / "two"))
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    np.testing.assert_allclose(metrics(two, "train_loss"), metrics(one, "train_loss"), rtol=rtol)
+    np.testing.assert_allclose(metrics(two, "grad_norm"), metrics(one, "grad_norm"), rtol=10 * rtol)
+    np.testing.assert_allclose(metrics(two, "val_loss"), metrics(one, "val_loss"), rtol=rtol)
+    assert len(metrics(two, "train_loss")) == 6  # rank 0 alone wrote the records
     one = torch.load(tmp_path / "one" / "checkpoints" / "step_00000006.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "checkpoints" / "step_00000006.pt", weights_only=True)
     assert one["model"].keys() == two["model"].keys()  # the spec's names, no "module." prefix
     for key in one["model"]:
         torch.testing.assert_close(two["model"][key], one["model"][key], atol=10 * rtol, rtol=10 * rtol)
     assert not (two["model"]["lm_head.weight"] == 0).all()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_machines_train_one_run_like_one_machine(tmp_path: Path):
+    """Two torchrun "machines" on this host (one process each, meeting at a c10d rendezvous on 127.0.0.1), as
+    `docs/distributed.md` launches several machines, train the same run as one machine with two processes,
+    to the bit. Each machine is given its own run directory, as machines without a shared disk would have:
+    the process of RANK 1 (the c10d rendezvous decides which machine that is) has LOCAL_RANK 0 too, and
+    writes nothing."""
+    config = ddp_config(tmp_path)
+    port = free_port()
+    nodes = [
+        torchrun(
+            "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-machines",
+            config=config, run_dir=tmp_path / f"node{rank}",
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    for node in nodes:
+        finish(node)
+    finish(torchrun("--standalone", "--nproc-per-node", "2", config=config, run_dir=tmp_path / "one-machine"))
+
+    [written] = [tmp_path / name for name in ("node0", "node1") if (tmp_path / name).exists()]
+    for key in ("train_loss", "grad_norm", "val_loss"):
+        assert metrics(written, key) == metrics(tmp_path / "one-machine", key)
+    assert len(metrics(written, "train_loss")) == 6

@@ -1,5 +1,5 @@
-"""`scratchlm doctor [--config FILE] [--set KEY=VALUE ...] [--json]`: the device, what it can do, and what
-scratchlm will do on it.
+"""`scratchlm doctor [--config FILE [--world N]] [--set KEY=VALUE ...] [--json]`: the device, what it can do,
+and what scratchlm will do on it.
 
 It prints the device (the CPU's model and the flags that matter, or the GPU's name, memory and compute
 capability), the cores this process may use and how many other processes keep busy, the measured matmul
@@ -8,13 +8,29 @@ measures them again), whether torch.compile works here, and the precision, threa
 `scratchlm train` makes with that config, each with its reason (`scratchlm.device.choices`). `--json` prints
 the same as one JSON object, for scripts. What takes seconds (measuring the device, compiling a test
 function) is announced on stderr before it starts.
+
+`--world N` adds the config's training memory per process at N processes (`scratchlm.model.memory`):
+parameters, gradients, optimizer state, communication buffers and activations under DDP and FSDP, with and
+without activation checkpointing; which of them fit this device's memory (a GPU's own, one per process; a
+CPU's available RAM, shared by the N processes of this machine); and the layout and number of processes it
+suggests.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from scratchlm.cli.options import add_config_arguments
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from scratchlm.device.profile import DeviceProfile
+    from scratchlm.model.memory import MemoryBudget
+    from scratchlm.training.config import TrainConfig
 
 HELP = "Report the device, its measured speed, and the precision, threads and compilation scratchlm will use."
 
@@ -28,13 +44,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     }
     for flag, text in flags.items():
         parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument(
+        "--world",
+        type=int,
+        metavar="N",
+        help="also estimate the config's training memory per process at N processes, under DDP and FSDP",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     import json
 
+    from scratchlm.errors import ScratchlmError
     from scratchlm.training.config import TrainConfig, training_section
 
+    if args.world is not None and args.config is None:
+        raise ScratchlmError("--world estimates a config's training memory: give --config FILE")
+    if args.world is not None and args.world < 1:
+        raise ScratchlmError(f"--world must be at least 1, got {args.world}")
     # A mistake in the config is reported before torch loads.
     config = TrainConfig.load(args.config, args.overrides) if args.config else None
     t = config.training if config is not None else training_section(args.overrides)
@@ -75,6 +102,8 @@ def run(args: argparse.Namespace) -> None:
         },
         "compile_works": {"value": compile_ok, "reason": compile_note},
     }
+    if args.world is not None:
+        report["memory"] = memory_report(config, args.world, choices.precision.value, memory_budget(profile))
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -114,6 +143,108 @@ def run(args: argparse.Namespace) -> None:
     table.add_row(
         "MFU peak", f"{'' if peak is None else f'{peak / 1e12:,.1f} TFLOP/s '}({choices.peak_flops.reason})"
     )
-    Console(highlight=False, soft_wrap=True, markup=False).print(table)  # the report, on stdout
+    out = Console(highlight=False, soft_wrap=True, markup=False)
+    out.print(table)  # the report, on stdout
+    if args.world is not None:
+        # 120 columns in a pipe or a file, rather than rich's 80, which would wrap the memory table's cells
+        wide = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 120)
+        print_memory(wide, report["memory"])
     for warning in choices.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)
+
+
+def memory_budget(profile: DeviceProfile) -> MemoryBudget | None:
+    """The memory a process trains in: a GPU's own (one GPU per process), or the RAM available now, which the
+    processes of one machine share; None for a GPU whose size the profile does not give."""
+    from scratchlm.device.profile import available_ram_bytes
+    from scratchlm.model.memory import MemoryBudget
+
+    if profile.type == "cuda":
+        if profile.gpu_memory_gib is None:
+            return None
+        return MemoryBudget(
+            int(profile.gpu_memory_gib * 2**30), f"GPU memory of {profile.name}", shared=False
+        )
+    return MemoryBudget(available_ram_bytes(), "available RAM", shared=True)
+
+
+def memory_report(
+    config: TrainConfig, world: int, precision: str, budget: MemoryBudget | None
+) -> dict[str, Any]:
+    """The estimates at `world` processes for every layout worth comparing, whether each fits `budget`, and
+    the suggested layout (`scratchlm.model.memory.suggest`), as plain values."""
+    from scratchlm.model.memory import layouts, rank_memory, suggest
+
+    t = config.training
+    shape = (config.model, config.optimizer.name, precision, t.batch_size, t.grad_accum)
+    rows = []
+    for parallel, checkpointing in layouts(world):
+        estimate = rank_memory(*shape, world, parallel, checkpointing)
+        fits = None if budget is None else budget.fits(estimate)
+        rows.append({**asdict(estimate), "layout": estimate.layout, "total": estimate.total, "fits": fits})
+    report: dict[str, Any] = {"world": world, "precision": precision, "estimates": rows, "budget": None}
+    if budget is not None:
+        suggestion = suggest(*shape, world, budget)
+        chosen = suggestion.estimate
+        report["budget"] = asdict(budget)
+        report["suggestion"] = (
+            {"layout": chosen.layout, "world": chosen.world, "parallel": chosen.parallel,
+             "activation_checkpointing": chosen.checkpointing, "total": chosen.total}
+            if chosen is not None
+            else None
+        )  # fmt: skip
+        report["largest_world"] = suggestion.largest_world
+    return report
+
+
+def print_memory(out: Console, memory: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from scratchlm.cli.accounting import si
+    from scratchlm.model.memory import HEADROOM
+
+    budget = memory["budget"]
+    where = (
+        "per process"
+        if budget is None or not budget["shared"]
+        else f"per process; the {memory['world']} share the RAM"
+    )
+    table = Table(title=f"Training memory at {memory['world']} process(es), {memory['precision']} ({where})")
+    columns = (
+        "parallel",
+        "act. ckpt",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "buffers",
+        "activations",
+        "total",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in columns[:2] else "right")
+    if budget is not None:
+        table.add_column(f"fits {si(budget['bytes'], 'B')}?")
+    for row in memory["estimates"]:
+        sizes = (row[key] for key in ("parameters", "gradients", "optimizer_state", "buffers", "activations"))
+        cells = [row["parallel"] or "-", "yes" if row["checkpointing"] else "no"]
+        cells += [*(si(size, "B") for size in sizes), si(row["total"], "B")]
+        table.add_row(*cells, *([] if budget is None else ["yes" if row["fits"] else "no"]))
+    out.print(table)
+    out.print(
+        "buffers: DDP's gradient buckets, or FSDP's gathered weights and unsharded gradients; activations: "
+        "one micro-batch (an upper estimate, see docs/distributed.md)"
+    )
+    if budget is None:
+        out.print("the device profile gives no memory size: nothing to compare the estimates with")
+        return
+    out.print(
+        f"memory: {budget['what']}, {si(budget['bytes'], 'B')} (an estimate fits within {HEADROOM:.0%})"
+    )
+    chosen = memory["suggestion"]
+    if chosen is None:
+        out.print(
+            f"suggestion: nothing fits, even at {memory['largest_world']} processes under fsdp with activation "
+            "checkpointing: raise training.grad_accum (smaller micro-batches), or train a smaller model"
+        )
+    else:
+        out.print(f"suggestion: {chosen['layout']} ({si(chosen['total'], 'B')} per process)")

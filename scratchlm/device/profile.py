@@ -192,6 +192,25 @@ def _identity(device: torch.device) -> dict[str, Any]:
     }
 
 
+def available_ram_bytes(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory that new allocations can have without swapping: the kernel's `MemAvailable` (free memory plus
+    the caches it can drop), capped by what a cgroup v2 memory limit leaves this container. Elsewhere than
+    Linux: the free physical pages."""
+    try:
+        lines = (proc / "meminfo").read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024  # the file says kB and means KiB
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit here
+    return available
+
+
 # -- cores --------------------------------------------------------------------------------------------------
 
 
