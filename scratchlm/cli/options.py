@@ -3,13 +3,13 @@ of them is docs/cli.md): `--out`, `--minutes`, `--device`, `--precision`, the tr
 or `--checkpoint`: `eval`, `generate`, `chat`, `serve`, `export`), how text is sampled (`generate`, `chat`),
 and the config with its repeatable `--set` for the commands that take a training config (`train`, `sft`,
 `sweep`, `doctor`). On `train` and `sft`, `--out`, `--minutes`, `--device` and `--precision` set config keys
-(`config_flags`), and a mistake in one is named by its flag."""
+(`scratchlm.cli.train.config_flags`: the commands that train), and a mistake in one is named by its flag."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -17,14 +17,6 @@ if TYPE_CHECKING:
     from scratchlm.device import Plan
     from scratchlm.generation.sampling import SamplingOptions
     from scratchlm.run.load import TrainedModel
-
-# The config key each flag sets on the commands that train (`config_flags`).
-CONFIG_KEYS = {
-    "out": "logging.run_dir",
-    "minutes": "training.max_time_s",
-    "device": "training.device",
-    "precision": "training.precision",
-}
 
 
 def add_out_argument(
@@ -78,25 +70,6 @@ def add_precision_argument(parser: argparse.ArgumentParser, inference: bool = Tr
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="auto" if inference else None, help=auto + what
     )
-
-
-def config_flags(
-    args: argparse.Namespace, more: dict[str, tuple[str, Any]] | None = None
-) -> dict[str, tuple[str, Any]]:
-    """The config keys that the shared flags of a command that trains set (`CONFIG_KEYS`), as
-    `TrainConfig.load` takes them: flag as typed -> (key, value); `--minutes` checked and in seconds. `more`:
-    the command's own, by flag."""
-    from scratchlm.training.config import budget_seconds
-
-    flags = {}
-    for name, key in CONFIG_KEYS.items():
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        if name == "minutes":
-            value = budget_seconds(value, unlimited="leave --minutes out for no time limit")
-        flags[f"--{name}"] = (key, value)
-    return flags | {flag: item for flag, item in (more or {}).items() if item[1] is not None}
 
 
 def add_model_source_arguments(

@@ -15,8 +15,8 @@ from scratchlm.cli.options import (
     add_minutes_argument,
     add_out_argument,
     add_precision_argument,
-    config_flags,
 )
+from scratchlm.cli.train import config_flags
 
 HELP = "Fine-tune a base run on conversations (JSONL, OpenAI's messages format) into a chat model."
 

@@ -11,6 +11,7 @@ Several processes (GPUs or machines): `torchrun --nproc_per_node K -m scratchlm 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from scratchlm.cli.options import (
     add_config_arguments,
@@ -18,8 +19,35 @@ from scratchlm.cli.options import (
     add_minutes_argument,
     add_out_argument,
     add_precision_argument,
-    config_flags,
 )
+
+# The config key each flag sets on the commands that train (`config_flags`).
+CONFIG_KEYS = {
+    "out": "logging.run_dir",
+    "minutes": "training.max_time_s",
+    "device": "training.device",
+    "precision": "training.precision",
+}
+
+
+def config_flags(
+    args: argparse.Namespace, more: dict[str, tuple[str, Any]] | None = None
+) -> dict[str, tuple[str, Any]]:
+    """The config keys that the shared flags of a command that trains set (`CONFIG_KEYS`), as
+    `TrainConfig.load` takes them: flag as typed -> (key, value); `--minutes` checked and in seconds. `more`:
+    the command's own, by flag."""
+    from scratchlm.training.config import budget_seconds
+
+    flags = {}
+    for name, key in CONFIG_KEYS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name == "minutes":
+            value = budget_seconds(value, unlimited="leave --minutes out for no time limit")
+        flags[f"--{name}"] = (key, value)
+    return flags | {flag: item for flag, item in (more or {}).items() if item[1] is not None}
+
 
 HELP = "Train a Transformer language model on token files (.npy), as a TOML config says."
 
