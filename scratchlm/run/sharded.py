@@ -28,10 +28,13 @@ DCP's index and its non-tensor entries are pickles: like any DCP checkpoint, rea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import uuid
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +65,16 @@ def _is_distributed() -> bool:
 def _barrier() -> None:
     if _is_distributed():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """Without a process group DCP saves and loads in this process alone, as meant, but warns each time."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
 
 
 def _shared_token() -> str:
@@ -101,7 +114,8 @@ def write_shards(state: dict[str, Any], directory: Path) -> None:
     """DCP's collective save of `state` into `directory` (each process its shards; rank 0 the index)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=directory, no_dist=not _is_distributed())
+    with _single_process_quietly():
+        dcp.save(state, checkpoint_id=directory, no_dist=not _is_distributed())
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -187,7 +201,8 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: tor
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to fill
     state = {MODEL: model_state, OPTIMIZER: optimizer_state}
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not _is_distributed())
+        with _single_process_quietly():
+            dcp.load(state, checkpoint_id=path, no_dist=not _is_distributed())
     except Exception as e:  # DCP reports a mismatch of names or shapes in several ways
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ScratchlmError(f"sharded checkpoint {path} does not fit the model: {reason}") from None
