@@ -185,6 +185,9 @@ def save_then_load(rank: int, world: int, tmp: Path) -> None:
         if reference is None:
             reference = torch.load(tmp / "saved-by-1.pt", weights_only=True)["state"]
         assert_identical(full_state(fresh, fresh_optimizer), reference, str(source))
+    fresh, fresh_optimizer = build(world)  # a single file (a DDP run's) into a sharded model
+    sharded.load_whole(Checkpoint.read(tmp / "one.pt"), fresh, fresh_optimizer)
+    assert_identical(full_state(fresh, fresh_optimizer), torch.load(tmp / "saved-by-1.pt")["state"], "one.pt")
 
 
 def load_at_four(rank: int, world: int, tmp: Path) -> None:
@@ -227,15 +230,19 @@ SCENARIOS = {"save_then_load": save_then_load, "load_at_four": load_at_four, "ki
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """A one-process sharded checkpoint (`one/step_00000003`, no process group), then two processes: theirs
-    (`run/checkpoints/step_00000003`), each loaded by the other's count."""
+    """A one-process sharded checkpoint (`one/step_00000003`, no process group) and single file (`one.pt`),
+    then two processes: theirs (`run/checkpoints/step_00000003`), each loaded by the other's count."""
     tmp = tmp_path_factory.mktemp("sharded")
     torch.manual_seed(0)
     model, optimizer = build(1)
     train_steps(model, optimizer, 1, 0)
     sharded.save_sharded(checkpoint_fields(tmp, STEPS, 1), model, optimizer, tmp / "one" / "step_00000003")
+    fields = checkpoint_fields(tmp, STEPS, 1)
+    Checkpoint.of(model, STEPS, optimizer=optimizer.state_dict(), training=fields.training).save(
+        tmp / "one.pt"
+    )
     torch.save({"state": full_state(model, optimizer)}, tmp / "saved-by-1.pt")
-    check_processes(2, "save_then_load", tmp)  # 2 -> 2 and 1 -> 2, checked in the processes
+    check_processes(2, "save_then_load", tmp)  # 2 -> 2, 1 -> 2 and a file -> 2, checked in the processes
     return tmp
 
 
