@@ -13,6 +13,8 @@ import datetime
 import os
 import signal
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -371,3 +373,37 @@ def test_a_resume_says_when_the_processes_or_the_parallelism_change(tmp_path):
         and "under parallel = 'ddp'; resuming with 4 processes under parallel = 'fsdp'" in switched
     )
     assert "each process takes its shards of it" in switched
+
+
+@pytest.mark.slow
+def test_a_run_of_two_processes_resumes_with_one_from_its_sharded_checkpoint(tmp_path, capsys):
+    """The command users run: `torchrun --nproc_per_node 2 -m scratchlm train` under `training.parallel =
+    "fsdp"` saves directories; one process resumes from the newest, says so, and ends where an uninterrupted
+    run of one process does, to float32 rounding (the two processes summed halves of each batch)."""
+    from test_trainer import small_config
+
+    from scratchlm.training.trainer import train
+
+    train(small_config(tmp_path, "straight"))
+    two = small_config(tmp_path, "run", training={"parallel": "fsdp", "max_steps": 8})
+    (tmp_path / "config.toml").write_text(two.to_toml())
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "scratchlm", "train", "--config", str(tmp_path / "config.toml"),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = RunDirectory(tmp_path / "run")
+    assert run.checkpoints() == [run.checkpoint(4, True), run.checkpoint(8, True)]
+    capsys.readouterr()
+
+    train(small_config(tmp_path, "run", training={"parallel": "fsdp"}), resume=True)
+    printed = " ".join(capsys.readouterr().err.split())
+    assert "saved by 2 processes under parallel = 'fsdp'; resuming with 1 process" in printed
+    resumed = Checkpoint.read(run.checkpoint(12, True))
+    whole = Checkpoint.read(tmp_path / "straight" / "checkpoints" / "step_00000012.pt")
+    assert resumed.training.world_size == 1
+    for name, tensor in whole.model.items():
+        torch.testing.assert_close(resumed.model[name], tensor, rtol=1e-4, atol=1e-4)

@@ -209,18 +209,25 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: tor
     set_state_dict(model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIMIZER])
 
 
-def load_whole(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load a whole checkpoint (a single file's) into `model` and `optimizer`: directly into a model that is
-    not sharded, through `set_state_dict` into one that is (each process keeps its shards of the full
-    tensors)."""
+def load_whole(
+    checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a whole checkpoint (a single file's, or a consolidated one) into `model` (and `optimizer`):
+    directly into a model that is not sharded, through `set_state_dict` into one that is (each process keeps
+    its shards of the full tensors)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
+        set_model_state_dict,
         set_state_dict,
     )
 
     if not is_sharded_model(model):
         checkpoint.load_into(model, optimizer)
+        return
+    whole = StateDictOptions(full_state_dict=True)
+    if optimizer is None:
+        set_model_state_dict(model, checkpoint.model, options=whole)
         return
     if checkpoint.optimizer is None:
         raise ScratchlmError("checkpoint has no optimizer state (an imported model): start a new run from it")
@@ -229,13 +236,8 @@ def load_whole(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.
         for group in get_optimizer_state_dict(model, optimizer)["param_groups"]
         for name in group["params"]
     ]
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=checkpoint.model,
-        optim_state_dict=optimizer_by_name(checkpoint.optimizer, names),
-        options=StateDictOptions(full_state_dict=True),
-    )
+    named = optimizer_by_name(checkpoint.optimizer, names)
+    set_state_dict(model, optimizer, model_state_dict=checkpoint.model, optim_state_dict=named, options=whole)
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:

@@ -135,7 +135,7 @@ def start_from_weights(
         checkpoint = dataclasses.replace(
             checkpoint, model=grow_vocabulary(checkpoint.model, config.model.vocab_size)
         )
-    checkpoint.load_into(model)
+    load_whole(checkpoint, model)  # sharded or not
     if dist.is_main:
         console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
         if grows:
