@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 # A checkpoint: a file, or (without .pt) a sharded checkpoint's directory (`scratchlm.run.sharded`)
 CHECKPOINT_NAME = re.compile(r"step_(\d+)(\.pt)?")
-# A sharded checkpoint being written (`scratchlm.run.sharded`): left behind only by a crash while it was
+# A sharded checkpoint being written (`scratchlm.run.sharded`); one left behind was cut short by a crash
 PARTIAL_CHECKPOINT_NAME = re.compile(r"step_\d+\.tmp-.+")
 TOKENIZER_DIR = "tokenizer"  # the run directory's copy of its tokenizer
 RUN_KIND = "run"  # the output marker of a run directory (scratchlm.io)

@@ -72,8 +72,8 @@ class TrainingConfig:
     fused_loss: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
-    # several processes: "ddp" (each holds the whole model) or "fsdp" (each holds a shard; checkpoints are
-    # directories of shards, scratchlm.run.sharded); a world of one ignores it
+    # several processes: "ddp" (each holds the whole model) or "fsdp" (each holds a shard); a world of one
+    # shards nothing. "fsdp" saves checkpoints as directories of shards (scratchlm.run.sharded)
     parallel: Literal["ddp", "fsdp"] = "ddp"
 
 
