@@ -1,6 +1,6 @@
 """The registry of export formats (scratchlm/interop/formats.py) is the command line's one list of them: a
 format registered there is offered by `scratchlm export --format`, described in its help, and called with the
-model the command loaded; hf and gguf are registered, each building the public function that writes it."""
+model the command loaded; hf, gguf and checkpoint (a single-file checkpoint) are registered, each building the public function that writes it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from scratchlm import ModelConfig
 from scratchlm.interop import LLAMA
 from scratchlm.interop.formats import EXPORT_FORMATS, ExportFormat, ExportResult
 from scratchlm.run.load import TrainedModel
+from scratchlm.run.sharded import export_checkpoint
 
 TINY = ModelConfig(vocab_size=610, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
 TOY = ExportFormat("toy", f"{__name__}:export_toy", "a toy reader", "file", ".toy")
@@ -26,10 +27,11 @@ def export_toy(trained: TrainedModel, out: str | os.PathLike, dtype: str) -> Exp
     return ExportResult(Path(out), LLAMA, 0.0, loaded_as="toy architecture")
 
 
-def test_the_registry_lists_hf_and_gguf_building_their_public_exporters():
-    assert list(EXPORT_FORMATS) == ["hf", "gguf"]
+def test_the_registry_lists_hf_gguf_and_checkpoint_building_their_exporters():
+    assert list(EXPORT_FORMATS) == ["hf", "gguf", "checkpoint"]
     assert EXPORT_FORMATS["hf"].build() is scratchlm.export_hf
     assert EXPORT_FORMATS["gguf"].build() is scratchlm.export_gguf
+    assert EXPORT_FORMATS["checkpoint"].build() is export_checkpoint
 
 
 def test_a_registered_format_is_offered_and_called_by_the_command(tmp_path, capsys, monkeypatch):
@@ -43,8 +45,10 @@ def test_a_registered_format_is_offered_and_called_by_the_command(tmp_path, caps
     status, out, _ = run_cli(["export", "--help"], capsys)
     assert status == 0
     help_text = " ".join(out.split())  # argparse wraps lines
-    assert "--format {hf,gguf,toy}" in help_text
-    assert "gguf: a file; toy: a file" in help_text and "or .toy file to write" in help_text
+    assert "--format {hf,gguf,checkpoint,toy}" in help_text
+    assert (
+        "gguf: a file; checkpoint: a file; toy: a file" in help_text and "or .toy file to write" in help_text
+    )
     status, _, err = run_cli([*argv, "--dtype", "f16"], capsys)
     assert status == 0, err
     assert f"wrote {tmp_path / 'm.toy'} (toy architecture, f16)" in " ".join(err.split())

@@ -46,13 +46,12 @@ def run(args: argparse.Namespace) -> None:
     export = EXPORT_FORMATS[args.format].build()
     trained = load_model_source(args)
     result = export(trained, args.out, args.dtype)
-    note = export_note(trained.model.config, result.architecture)
+    note = export_note(trained.model.config, result.architecture) if result.architecture else None
     if note:
         console.print(note)
     if result.max_logit_difference is None:
         checked = "not checked (transformers is not installed)"
     else:
-        checked = (
-            f"logits equal to scratchlm's within {result.max_logit_difference:.1e} (loaded by transformers)"
-        )
+        difference, reader = result.max_logit_difference, result.checked_by
+        checked = f"logits equal to scratchlm's within {difference:.1e} (loaded by {reader})"
     console.print(f"wrote {result.path} ({result.loaded_as}, {args.dtype}); {checked}")

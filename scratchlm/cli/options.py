@@ -177,13 +177,19 @@ def load_model_source(args: argparse.Namespace, require_tokenizer: bool = False)
     from scratchlm.device import resolve_device
     from scratchlm.errors import ScratchlmError
     from scratchlm.run.load import load_trained
+    from scratchlm.run.sharded import is_sharded_checkpoint
 
     if args.run is not None and not Path(args.run).is_dir():
         what = "is not a directory" if Path(args.run).exists() else "not found"
         raise ScratchlmError(f"run directory {args.run} {what} (--run takes a training run directory)")
-    if args.checkpoint is not None and not Path(args.checkpoint).is_file():
-        what = "is not a file" if Path(args.checkpoint).exists() else "not found"
-        raise ScratchlmError(f"checkpoint {args.checkpoint} {what} (--checkpoint takes a .pt file)")
+    if args.checkpoint is not None and not (
+        Path(args.checkpoint).is_file() or is_sharded_checkpoint(args.checkpoint)
+    ):
+        what = "is not a checkpoint" if Path(args.checkpoint).exists() else "not found"
+        raise ScratchlmError(
+            f"checkpoint {args.checkpoint} {what} (--checkpoint takes a .pt file or a sharded checkpoint's "
+            "directory)"
+        )
     device = resolve_device(args.device)
     trained = load_trained(
         args.run or args.checkpoint, device=device, tokenizer=getattr(args, "tokenizer", None)

@@ -33,9 +33,10 @@ class ExportResult:
     what its reader will see (`loaded_as`)."""
 
     path: Path
-    architecture: Architecture
+    architecture: Architecture | None  # None: scratchlm's own format, which holds any model as it is
     max_logit_difference: float | None  # None: transformers is not installed, nothing was compared
     loaded_as: str  # what the target reads it as: transformers' class, llama.cpp's architecture
+    checked_by: str = "transformers"  # what loaded it back for the comparison of logits
 
 
 Exporter = Callable[["TrainedModel", str | os.PathLike, str], ExportResult]  # (trained, out, dtype)
@@ -62,5 +63,6 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
     for f in (
         ExportFormat("hf", "scratchlm.interop.hf:export_hf", "Hugging Face transformers", "directory"),
         ExportFormat("gguf", "scratchlm.interop.gguf:export_gguf", "llama.cpp", "file", ".gguf"),
+        ExportFormat("checkpoint", "scratchlm.run.sharded:export_checkpoint", "scratchlm", "file", ".pt"),
     )
 }

@@ -12,11 +12,16 @@ A checkpoint is one `torch.save`d dict:
     tokenizer_fingerprint
                   that of the tokenizer the model was trained or imported with, when known
     imported_from the directory an imported model was read from
-    train_config, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision, time_budget, loss_scale
-                  what a training run adds (`TrainingState`): its config, the RNG and data-sampling states,
-                  its time, what `precision = "auto"` resolved to, the time budget's decision and, in fp16,
-                  the loss scaler's state. A checkpoint has a training state when it has a `train_config`;
-                  `elapsed_s` and `tokens` are in every checkpoint (0 for an imported model)
+    train_config, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision, time_budget, loss_scale,
+    world_size    what a training run adds (`TrainingState`): its config, the RNG and data-sampling states,
+                  its time, what `precision = "auto"` resolved to, the time budget's decision, in fp16 the
+                  loss scaler's state, and the number of processes that saved it. A checkpoint has a training
+                  state when it has a `train_config`; `elapsed_s` and `tokens` are in every checkpoint (0 for
+                  an imported model)
+
+A run that shards its model (`training.parallel = "fsdp"`) saves a checkpoint as a directory instead, each
+process writing its shards of the model and the optimizer (`scratchlm.run.sharded`); its other entries are the
+ones above, in a file of this format inside it. `Checkpoint.read` reads both kinds.
 
 Compiled (`torch.compile`) and data-parallel (`DistributedDataParallel`) models wrap the real module and prefix
 its parameter names with `_orig_mod.` and `module.`; the checkpoint always stores the unwrapped names, so it
@@ -57,7 +62,7 @@ TRAIN_CONFIG, TOKENIZER_FINGERPRINT, PRECISION, TIME_BUDGET = (
     "time_budget",
 )
 DATA_RNG, TORCH_RNG, CUDA_RNG, ELAPSED, TOKENS = "data_rng", "torch_rng", "cuda_rng", "elapsed_s", "tokens"
-IMPORTED_FROM, LOSS_SCALE = "imported_from", "loss_scale"
+IMPORTED_FROM, LOSS_SCALE, WORLD_SIZE = "imported_from", "loss_scale", "world_size"
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -227,6 +232,7 @@ class TrainingState:
     precision: str | None = None  # what training.precision resolved to
     time_budget: dict[str, Any] | None = None  # the time budget's decision (scratchlm.training.budget)
     loss_scale: dict[str, Any] | None = None  # fp16: the loss scaler's state (scratchlm.training.loss_scale)
+    world_size: int | None = None  # the processes that trained it (None: not recorded)
 
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> TrainingState | None:
@@ -243,6 +249,7 @@ class TrainingState:
             precision=state.get(PRECISION),
             time_budget=state.get(TIME_BUDGET),
             loss_scale=state.get(LOSS_SCALE),
+            world_size=state.get(WORLD_SIZE),
         )
 
 
@@ -259,6 +266,7 @@ _TRAINING_NAMES = {
             "precision",
             "time_budget",
             "loss_scale",
+            "world_size",
         )
     },
 }
@@ -300,6 +308,10 @@ class Checkpoint:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a failure leaves no file under `path`."""
+        _write(self.to_dict(), path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint dict (the module docstring), without its checksum."""
         state: dict[str, Any] = {
             MODEL: self.model,
             STEP: self.step,
@@ -319,15 +331,25 @@ class Checkpoint:
             TIME_BUDGET: training.time_budget,
             IMPORTED_FROM: self.imported_from,
             LOSS_SCALE: training.loss_scale,
+            WORLD_SIZE: training.world_size,
         }
         state.update({key: value for key, value in optional.items() if value is not None})
-        _write(state, path)
+        return state
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> Checkpoint:
         """The checkpoint at `path`, checked (see `read_checkpoint`); one without a model config cannot be
-        used on its own and is refused, naming the file."""
-        state = read_checkpoint(path)
+        used on its own and is refused, naming the file. A sharded checkpoint (a directory) is consolidated
+        into this process (`scratchlm.run.sharded.consolidate`)."""
+        if Path(path).is_dir():
+            from scratchlm.run.sharded import consolidate  # it builds on this module
+
+            return consolidate(path)
+        return cls.from_dict(read_checkpoint(path), path)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any], path: str | os.PathLike) -> Checkpoint:
+        """The checkpoint of a checkpoint dict read from `path` (named in errors)."""
         if MODEL_CONFIG not in state:
             raise ScratchlmError(f"checkpoint {path} has no model_config; cannot rebuild the model")
         return cls(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,10 @@ if TYPE_CHECKING:
     from scratchlm.run.checkpoint import Checkpoint
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
-CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+# A checkpoint: a file, or (without .pt) a sharded checkpoint's directory (`scratchlm.run.sharded`)
+CHECKPOINT_NAME = re.compile(r"step_(\d+)(\.pt)?")
+# A sharded checkpoint being written (`scratchlm.run.sharded`); one left behind was cut short by a crash
+PARTIAL_CHECKPOINT_NAME = re.compile(r"step_\d+\.tmp-.+")
 TOKENIZER_DIR = "tokenizer"  # the run directory's copy of its tokenizer
 RUN_KIND = "run"  # the output marker of a run directory (scratchlm.io)
 
@@ -54,17 +58,19 @@ class RunDirectory:
     def checkpoints_dir(self) -> Path:
         return self.path / "checkpoints"
 
-    def checkpoint(self, step: int) -> Path:
-        return self.checkpoints_dir / f"step_{step:08d}.pt"
+    def checkpoint(self, step: int, sharded: bool = False) -> Path:
+        """The checkpoint of `step`: a file, or the directory of a sharded one."""
+        name = f"step_{step:08d}"
+        return self.checkpoints_dir / (name if sharded else f"{name}.pt")
 
     def checkpoints(self) -> list[Path]:
-        """The run's checkpoints, oldest first."""
+        """The run's checkpoints, files and sharded ones' directories, oldest first."""
         if not self.checkpoints_dir.is_dir():
             return []
         found = [
             (int(m.group(1)), p)
             for p in self.checkpoints_dir.iterdir()
-            if (m := CHECKPOINT_NAME.fullmatch(p.name))
+            if (m := CHECKPOINT_NAME.fullmatch(p.name)) and (p.is_dir() != bool(m.group(2)))
         ]
         return [p for _, p in sorted(found)]
 
@@ -85,9 +91,13 @@ class RunDirectory:
         return aside
 
     def prune_checkpoints(self, keep: int) -> None:
-        """Delete all but the `keep` most recent checkpoints."""
+        """Delete all but the `keep` most recent checkpoints, and what a crash left of sharded checkpoints
+        being written (the caller holds the run's lock: no other process is writing one)."""
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
-            old.unlink(missing_ok=True)
+            _remove(old)
+        for partial in self.checkpoints_dir.iterdir() if self.checkpoints_dir.is_dir() else []:
+            if PARTIAL_CHECKPOINT_NAME.fullmatch(partial.name):
+                _remove(partial)
 
     def create(
         self, config_toml: str, tokenizer: Tokenizer | None = None, checkpoint: Checkpoint | None = None
@@ -115,3 +125,10 @@ class RunDirectory:
     def summary(self) -> RunSummary | None:
         """The summary the run wrote when it last stopped, or None when it has not stopped yet."""
         return RunSummary.read(self.summary_file) if self.summary_file.exists() else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """Loading a trained model, and the tokenizer it was trained with, for inference (`generate`, `eval`, ...).
 
-A model is found from a run directory (its latest checkpoint) or a checkpoint file, rebuilt from the
+A model is found from a run directory (its latest checkpoint) or a checkpoint (a file, or a sharded one's
+directory, consolidated here: `scratchlm.run.sharded`), rebuilt from the
 `model_config` the checkpoint carries, and put in eval mode. Its tokenizer is, in this order: the one given,
 the copy in the run directory (`RUN/tokenizer/`, written when training starts), or the directory the training
 config names. A checkpoint records the fingerprint of the tokenizer it was trained with
@@ -23,6 +24,7 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
+from scratchlm.run.sharded import is_sharded_checkpoint
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 
@@ -38,15 +40,16 @@ class TrainedModel:
 
 
 def find_checkpoint(source: str | os.PathLike) -> tuple[Path, RunDirectory | None]:
-    """The checkpoint file `source` names (a run directory: its latest checkpoint), and its run directory
-    (that of a checkpoint file is the directory above its `checkpoints/`, if there is one)."""
+    """The checkpoint `source` names (a run directory: its latest checkpoint), and its run directory (that of
+    a checkpoint is the directory above its `checkpoints/`, if there is one)."""
     path = Path(source)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):
         run = RunDirectory(path)
         found = run.latest_checkpoint()
         if found is None:
             raise ScratchlmError(
-                f"run directory {path} has no checkpoints (expected {run.checkpoints_dir}/step_*.pt)"
+                f"run directory {path} has no checkpoints (expected {run.checkpoints_dir}/step_*.pt "
+                "or a sharded step_*/)"
             )
         return found, run
     if not path.exists():

@@ -72,6 +72,9 @@ class TrainingConfig:
     fused_loss: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
+    # several processes: "ddp" (each holds the whole model) or "fsdp" (each holds a shard); a world of one
+    # shards nothing. "fsdp" saves checkpoints as directories of shards (scratchlm.run.sharded)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
 
 
 @dataclass(frozen=True)
@@ -421,6 +424,7 @@ CHANGEABLE_ON_RESUME = (
     "training.fused_loss",
     "model.attention",
     "training.init_from",
+    "training.parallel",
     "eval.interval",
     "eval.iters",
     "checkpoint.interval",

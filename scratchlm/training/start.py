@@ -21,9 +21,10 @@ from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import COMPUTATION_FIELDS
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run.checkpoint import Checkpoint
+from scratchlm.run.checkpoint import Checkpoint, TrainingState
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import check_pair, find_checkpoint
+from scratchlm.run.sharded import load_sharded, load_whole, read_state
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
@@ -70,12 +71,12 @@ def restore(
         return fresh
     existing, checkpoint, damaged = _newest_intact_checkpoint(run_dir, dist)
     _check_config_changes(run_dir, config, checkpoint, allow_config_change, dist)
-    checkpoint.load_into(model, optimizer)
     training = checkpoint.training
     if training is None:
         raise ScratchlmError(
             f"{existing} has no training state to resume: start a new run from it (training.init_from)"
         )
+    _load_checkpoint(existing, checkpoint, model, optimizer)
     fresh.generator.bit_generator.state = training.data_rng
     torch.set_rng_state(training.torch_rng)
     if device.type == "cuda" and training.cuda_rng is not None:
@@ -89,6 +90,8 @@ def restore(
         if damaged:
             console.print(f"falling back to the newest intact checkpoint, {existing}", style="yellow")
         console.print(f"resuming from {existing} (step {checkpoint.step})")
+        if (layout := layout_change(existing, training, config, dist)) is not None:
+            console.print(layout)
     return Progress(
         checkpoint.step, checkpoint.step, fresh.generator, training.elapsed_s, budget, training.loss_scale
     )
@@ -132,7 +135,7 @@ def start_from_weights(
         checkpoint = dataclasses.replace(
             checkpoint, model=grow_vocabulary(checkpoint.model, config.model.vocab_size)
         )
-    checkpoint.load_into(model)
+    load_whole(checkpoint, model)  # sharded or not
     if dist.is_main:
         console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
         if grows:
@@ -166,8 +169,8 @@ def _newest_intact_checkpoint(
     as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
     damaged: list[Path] = []
     for path in reversed(run_dir.checkpoints()):
-        try:
-            return path, Checkpoint.read(path), damaged
+        try:  # a sharded checkpoint: checked whole, its shards read later by each process (`_load_checkpoint`)
+            return path, read_state(path) if path.is_dir() else Checkpoint.read(path), damaged
         except ScratchlmError as e:
             if dist.is_main:
                 console.print(f"{e}; trying the checkpoint before it", style="yellow")
@@ -175,6 +178,47 @@ def _newest_intact_checkpoint(
     raise ScratchlmError(
         f"no intact checkpoint in {run_dir.checkpoints_dir} ({len(damaged)} damaged, the newest "
         f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
+    )
+
+
+def _load_checkpoint(
+    path: Path, checkpoint: Checkpoint, model: TransformerLM, optimizer: torch.optim.Optimizer
+) -> None:
+    """Load the checkpoint read from `path` into `model` and `optimizer`, whether either is sharded or not
+    (`scratchlm.run.sharded`): a sharded checkpoint's shards are read here, each process its own."""
+    if path.is_dir():
+        load_sharded(path, model, optimizer)
+    else:
+        load_whole(checkpoint, model, optimizer)
+
+
+def layout_change(path: Path, training: TrainingState, config: TrainConfig, dist: Distributed) -> str | None:
+    """What a resume does when the number of processes or the parallelism differs from the checkpoint's (one
+    line), or None when neither does."""
+    saved_world = training.world_size
+    saved_parallel = (training.config.get("training") or {}).get("parallel", "ddp")
+    parallel = config.training.parallel
+    world = dist.world_size
+    if (saved_world in (None, world)) and saved_parallel == parallel:
+        return None
+    was = (
+        f"{saved_world} process{'es' if saved_world != 1 else ''}"
+        if saved_world
+        else "an unknown number of processes"
+    )
+    now = f"{world} process{'es' if world != 1 else ''}"
+    if path.is_dir():
+        how = "its shards are redistributed" if world > 1 else "its shards are gathered into this process"
+    else:
+        how = (
+            "each process takes its shards of it"
+            if world > 1 and parallel == "fsdp"
+            else "every process loads it whole"
+        )
+    saves = "sharded directories" if parallel == "fsdp" else "single files"
+    return (
+        f"the checkpoint was saved by {was} under parallel = {saved_parallel!r}; resuming with {now} under "
+        f"parallel = {parallel!r}: {how}, and new checkpoints are {saves}"
     )
 
 

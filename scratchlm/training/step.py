@@ -140,6 +140,7 @@ class TrainStep:
             precision=self.precision,
             time_budget=None if budget.decision is None else budget.decision.to_dict(),
             loss_scale=self.scaler.state_dict() if self.scaler.enabled else None,
+            world_size=self.dist.world_size,
         )
         return Checkpoint.of(self.model, step, optimizer=self.optimizer.state_dict(), training=training)
 

@@ -40,6 +40,7 @@ from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.directory import RunDirectory
+from scratchlm.run.sharded import save_sharded
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.distributed import (
@@ -318,15 +319,22 @@ class _Run:
         return bool(signum or over_budget)
 
     def _save(self) -> Path | None:
+        """Rank 0 writes the checkpoint; a sharded one (`training.parallel = "fsdp"`) every process writes."""
         self.last_saved = self.step
-        if not self.dist.is_main:
+        sharded = self.config.training.parallel == "fsdp"
+        if not (self.dist.is_main or sharded):
             return None
-        path = self.run_dir.checkpoint(self.step)
+        path = self.run_dir.checkpoint(self.step, sharded)
         fingerprint = None if self.data.tokenizer is None else self.data.tokenizer.fingerprint
         checkpoint = self.stepper.checkpoint(self.step, self.committed_rng, self._elapsed(), self.budget)
-        dataclasses.replace(checkpoint, tokenizer_fingerprint=fingerprint).save(path)
-        self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
-        return path
+        checkpoint = dataclasses.replace(checkpoint, tokenizer_fingerprint=fingerprint)
+        if sharded:
+            save_sharded(checkpoint, self.model, self.stepper.optimizer, path)
+        else:
+            checkpoint.save(path)
+        if self.dist.is_main:
+            self.run_dir.prune_checkpoints(self.config.checkpoint.keep)
+        return path if self.dist.is_main else None
 
     def _save_after_abort(self) -> None:
         """After a second Ctrl-C (or any KeyboardInterrupt), save the last completed step if it is sound."""
