@@ -21,6 +21,7 @@ from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import COMPUTATION_FIELDS
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.parallel.full_state import load_full_state
 from scratchlm.run.checkpoint import Checkpoint
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import check_pair, find_checkpoint
@@ -70,7 +71,7 @@ def restore(
         return fresh
     existing, checkpoint, damaged = _newest_intact_checkpoint(run_dir, dist)
     _check_config_changes(run_dir, config, checkpoint, allow_config_change, dist)
-    checkpoint.load_into(model, optimizer)
+    load_full_state(checkpoint, model, optimizer)
     training = checkpoint.training
     if training is None:
         raise ScratchlmError(
@@ -132,7 +133,7 @@ def start_from_weights(
         checkpoint = dataclasses.replace(
             checkpoint, model=grow_vocabulary(checkpoint.model, config.model.vocab_size)
         )
-    checkpoint.load_into(model)
+    load_full_state(checkpoint, model)
     if dist.is_main:
         console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
         if grows:

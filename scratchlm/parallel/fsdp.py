@@ -1,0 +1,49 @@
+"""Fully sharded data parallelism with PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Every parameter is split along its first dimension into one shard per process (a `DTensor` with placement
+`Shard(0)`); the gradients and the optimizer state (made `zeros_like` the parameters) are sharded with it, so
+each of N processes holds 1/N of the 16 bytes a parameter that float32 weights and AdamW take. The price is
+communication: before a module's forward (and again before its backward) its parameters are all-gathered into
+whole tensors, used, and freed; after its backward its gradients are reduce-scattered, each process keeping
+the average over processes of its own shard. Each Transformer block is one unit of this (`fully_shard` on
+each), so only one block's whole parameters exist at a time, and the gather of the next block overlaps the
+compute of this one; the root unit holds the rest: the token and value embeddings, the U-net weights, the
+final norm and the LM head.
+
+Mixed precision is the device plan's: under bf16 or fp16 each block's parameters are gathered in the compute
+dtype (half the bytes to move) and its gradients reduced in float32 (`MixedPrecisionPolicy`); autocast, which
+the step runs the forward in as without sharding, still decides which operations compute in the low
+precision. The root is gathered in float32: the residual stream then stays float32, as it is without sharding
+(autocast keeps additions in float32), and the root's parameters are few next to the blocks' in any model
+large enough to need sharding. `reshard_after_forward` frees the gathered blocks after the forward (gathering
+them again for the backward) to save memory; false keeps them until the backward, trading memory for
+communication. The root's are always kept: its backward follows its forward at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from scratchlm.model.transformer import TransformerLM
+
+
+def parallelize_fsdp(
+    model: TransformerLM,
+    device: torch.device,
+    world_size: int,
+    compute_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+) -> TransformerLM:
+    """Shard `model` in place across the `world_size` processes of the process group (each block, then the
+    root) and return it: its parameters become DTensor shards, so make the optimizer after this."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    low = compute_dtype if compute_dtype != torch.float32 else None
+    # cast_forward_inputs=False: the residual stream enters each block in float32, as without sharding.
+    blocks = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=blocks, reshard_after_forward=reshard_after_forward)
+    root = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=False)
+    return model
