@@ -47,14 +47,16 @@ def assert_same_gradients(a: torch.nn.Module, b: torch.nn.Module, atol: float, r
         torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=name)
 
 
-def torchrun_train(config_path: Path, run_dir: Path, *sets: str, processes: int = 2) -> str:
-    """`torchrun --nproc_per_node PROCESSES -m scratchlm train --config CONFIG_PATH` on this machine's CPU
-    (Gloo), training into `run_dir` with `section.key=value` overrides `sets`, as users launch it; one thread
-    a process. Fails the test if it fails; returns its stderr (the console)."""
+def torchrun_train(
+    config_path: Path, run_dir: Path, *sets: str, processes: int = 2, resume: bool = False
+) -> str:
+    """`torchrun --nproc_per_node PROCESSES -m scratchlm train --config CONFIG_PATH [--resume]` on this
+    machine's CPU (Gloo), training into `run_dir` with `section.key=value` overrides `sets`, as users launch
+    it; one thread a process. Fails the test if it fails; returns its stderr (the console)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
         "-m", "scratchlm", "train", "--config", str(config_path), "--set", f"logging.run_dir={run_dir}",
-        *(arg for value in sets for arg in ("--set", value)),
+        *(arg for value in sets for arg in ("--set", value)), *(["--resume"] if resume else []),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

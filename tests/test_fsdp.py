@@ -9,6 +9,7 @@ Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm trai
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -67,8 +68,12 @@ def two_processes_against_one(tmp_path: Path, config: TrainConfig, *sets: str) -
     return last_checkpoint(tmp_path / "one"), last_checkpoint(tmp_path / "two")
 
 
-def assert_same_runs(tmp_path: Path, one: dict, two: dict, rtol: float) -> None:
-    for key in ("train_loss", "grad_norm", "val_loss"):  # grad_norm: the global norm, before clipping
+def assert_same_runs(tmp_path: Path, one: dict, two: dict, rtol: float, metrics: bool = True) -> None:
+    """The runs "one" and "two" in `tmp_path` logged the same metrics (`metrics`) to `rtol`, and their final
+    checkpoints `one` and `two` hold the same model and optimizer state to 10 × `rtol`."""
+    for key in (
+        ("train_loss", "grad_norm", "val_loss") if metrics else ()
+    ):  # grad_norm: global, before clipping
         np.testing.assert_allclose(
             run_metrics(tmp_path / "two", key), run_metrics(tmp_path / "one", key), rtol=rtol, err_msg=key
         )
@@ -101,6 +106,32 @@ def test_fsdp_two_processes_match_one_with_muon_and_activation_checkpointing(tmp
     fast = config(tmp_path, FAST, "fp32").replace(model={"value_embeddings": 1})
     one, two = two_processes_against_one(tmp_path, fast, "training.activation_checkpointing=true")
     assert_same_runs(tmp_path, one, two, rtol=1e-5)
+
+
+@pytest.mark.slow  # about 75 s here
+def test_a_sharded_run_saves_one_file_that_resumes_sharded_or_in_one_process(tmp_path: Path):
+    """The sharded run's checkpoint is gathered into the single file (model and optimizer whole); resuming
+    from it spreads it back to the shards, and one process resumes from it as from any other: both continue
+    the run as if it had not stopped, to float32 rounding."""
+    whole = config(tmp_path, FAST, "fp32").replace(
+        training={"max_steps": 8},
+        schedule={"cosine_cycle_iters": 8},  # the schedule of 8 steps, also in the session that stops at 4
+        eval={"interval": 0},
+    )
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(whole.to_toml())
+    train(whole.replace(training={"grad_accum": 1}))
+    torchrun_train(config_path, tmp_path / "two", "training.max_steps=4")
+    shutil.copytree(tmp_path / "two", tmp_path / "then-one")
+    torchrun_train(config_path, tmp_path / "two", resume=True)
+    train(whole.replace(logging={"run_dir": str(tmp_path / "then-one")}), resume=True)
+    for run in ("two", "then-one"):
+        np.testing.assert_allclose(
+            run_metrics(tmp_path / run, "train_loss"), run_metrics(tmp_path / "one", "train_loss"), rtol=1e-5
+        )
+        final = last_checkpoint(tmp_path / run)
+        assert final["iteration"] == 8
+        assert_same_runs(tmp_path, last_checkpoint(tmp_path / "one"), final, rtol=1e-5, metrics=False)
 
 
 # Under bf16 or fp16 each block's parameters are gathered in that dtype (the plan's compute dtype) and its

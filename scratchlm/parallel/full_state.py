@@ -83,5 +83,8 @@ def load_full_state(
         set_state_dict(
             model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options
         )
+        # Each group's settings exactly as saved, as `load_state_dict` leaves them (DCP turns tuples into lists).
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
     except (RuntimeError, KeyError, IndexError) as e:
         raise ScratchlmError(f"checkpoint does not fit the model: {e}") from None
