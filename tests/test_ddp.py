@@ -4,15 +4,12 @@ every precision: exactly (to float32 rounding) in fp32, to within the low precis
 Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm train --config FILE`.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_metrics, torchrun_train
 
 from scratchlm import train
 from scratchlm.training.config import TrainConfig
@@ -58,17 +55,10 @@ def test_two_processes_match_one(tmp_path: Path, precision: str):
     config_path.write_text(config.to_toml())
     train(config.replace(training={"grad_accum": 1}))  # the whole global batch at once, in this process
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "scratchlm", "train", "--config", str(config_path), "--set", f"logging.run_dir={tmp_path / 'two'}",
-    ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun_train(config_path, tmp_path / "two")
 
     def metrics(run: str, key: str) -> list[float]:
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        return [r[key] for r in map(json.loads, lines) if key in r]
+        return run_metrics(tmp_path / run, key)
 
     np.testing.assert_allclose(metrics("two", "train_loss"), metrics("one", "train_loss"), rtol=rtol)
     np.testing.assert_allclose(metrics("two", "grad_norm"), metrics("one", "grad_norm"), rtol=10 * rtol)

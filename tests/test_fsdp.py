@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_gradients, last_checkpoint, run_metrics, torchrun_train
 
 from scratchlm import train
 from scratchlm.model.config import ModelConfig
@@ -23,7 +24,6 @@ from scratchlm.parallel.checkpointing import apply_activation_checkpointing
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.muon import assign_owners
 from scratchlm.training.recipes import FAST, merged
-from tests.helpers import assert_same_gradients, last_checkpoint, run_metrics, torchrun_train
 
 STEPS = 30
 SHAPE = {"vocab_size": 64, "context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 4}
