@@ -9,6 +9,7 @@ Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm trai
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from helpers import assert_same_gradients, last_checkpoint, run_metrics, torchrun_train
 
 from scratchlm import train
+from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.parallel.checkpointing import apply_activation_checkpointing
@@ -165,6 +167,22 @@ def test_one_process_ignores_fsdp_and_says_so_once(tmp_path: Path, capfd):
     train(single)
     assert capfd.readouterr().err.count('training.parallel = "fsdp" in one process: ignored') == 1
     assert len(run_metrics(tmp_path / "one", "train_loss")) == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("parallel", "zero", "training.parallel must be one of 'ddp', 'fsdp', got 'zero'"),
+        ("reshard_after_forward", 1, "training.reshard_after_forward must be true or false, got 1"),
+        ("activation_checkpointing", "yes", "training.activation_checkpointing must be true or false"),
+    ],
+)
+def test_the_parallel_keys_are_checked_with_one_line(tmp_path: Path, key: str, value, message: str):
+    values = config(tmp_path, {}, "fp32").to_dict()
+    values["training"][key] = value
+    with pytest.raises(ScratchlmError, match=re.escape(message)) as raised:
+        TrainConfig.from_dict(values)
+    assert "\n" not in str(raised.value)
 
 
 def test_activation_checkpointing_computes_the_same_loss_and_gradients():

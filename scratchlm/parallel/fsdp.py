@@ -18,26 +18,50 @@ precision. The root is gathered in float32: the residual stream then stays float
 large enough to need sharding. `reshard_after_forward` frees the gathered blocks after the forward (gathering
 them again for the backward) to save memory; false keeps them until the backward, trading memory for
 communication. The root's are always kept: its backward follows its forward at once.
+
+Gradients are reduce-scattered after every micro-batch, in float32 into the float32 shards: skipping the
+reduction until the last micro-batch would add them up whole, in the compute dtype, on every process. Compiled,
+each block is compiled on its own before it is sharded (as torchtitan does): the gathers stay outside the
+compiled code, and every block reuses one compiled graph.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.parallel.execution import Execution
+
+if TYPE_CHECKING:
+    from scratchlm.device import Plan
+    from scratchlm.training.config import TrainingConfig
+    from scratchlm.training.distributed import Distributed
 
 
 def parallelize_fsdp(
+    model: TransformerLM, training: TrainingConfig, plan: Plan, device: torch.device, dist: Distributed
+) -> Execution:
+    """Shard `model` in place across the processes (each block, compiled where `plan` says, then the root):
+    its parameters become DTensor shards, so make the optimizer after this."""
+    if plan.compile.value:
+        for block in model.layers:
+            block.compile()
+    shard(model, device, dist.world_size, plan.dtype, training.reshard_after_forward)
+    return Execution(model, model, lockstep=True)
+
+
+def shard(
     model: TransformerLM,
     device: torch.device,
     world_size: int,
     compute_dtype: torch.dtype,
     reshard_after_forward: bool = True,
-) -> TransformerLM:
-    """Shard `model` in place across the `world_size` processes of the process group (each block, then the
-    root) and return it: its parameters become DTensor shards, so make the optimizer after this."""
+) -> None:
+    """`fully_shard` each block of `model`, then the root, over a mesh of the `world_size` processes."""
     mesh = init_device_mesh(device.type, (world_size,))
     low = compute_dtype if compute_dtype != torch.float32 else None
     # cast_forward_inputs=False: the residual stream enters each block in float32, as without sharding.
@@ -46,4 +70,3 @@ def parallelize_fsdp(
         fully_shard(block, mesh=mesh, mp_policy=blocks, reshard_after_forward=reshard_after_forward)
     root = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=False)
-    return model

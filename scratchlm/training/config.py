@@ -40,6 +40,7 @@ from scratchlm.chat.sft import SFTConfig
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import to_toml, toml_value
 from scratchlm.model.config import ModelConfig
+from scratchlm.parallel import ParallelName
 from scratchlm.precisions import Precision
 from scratchlm.training.optimizers import OptimizerConfig
 from scratchlm.training.recipes import merged
@@ -75,7 +76,7 @@ class TrainingConfig:
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
     # how the processes of a torchrun launch share the model (scratchlm.parallel): ddp, a whole copy each;
     # fsdp, a shard each of the parameters, gradients and optimizer state. One process ignores it
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: ParallelName = "ddp"
     # fsdp: free each block's gathered parameters after its forward and gather them again for its backward;
     # false keeps them until the backward: more memory, less communication
     reshard_after_forward: bool = True

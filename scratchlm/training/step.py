@@ -150,7 +150,7 @@ class TrainStep:
         self.model.eval()
         seed = self.config.training.seed + EVAL_SEED_OFFSET
         total, counted = torch.zeros((), device=self.device), 0
-        lockstep = self.execution.kind == "fsdp"
+        lockstep = self.execution.lockstep
         for indices in batches.validation_batches(self.config.eval.iters, self.eval_batch, seed):
             counted += batches.counted(indices)
             mine = np.array_split(indices, self.dist.world_size)[self.dist.rank]
