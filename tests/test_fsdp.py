@@ -9,6 +9,7 @@ Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm trai
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import shutil
 from pathlib import Path
@@ -16,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import assert_same_gradients, last_checkpoint, run_metrics, torchrun_train
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from scratchlm import train
 from scratchlm.errors import ScratchlmError
@@ -24,6 +28,9 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.parallel.checkpointing import apply_activation_checkpointing
 from scratchlm.training.config import TrainConfig
+from scratchlm.training.distributed import local
+from scratchlm.training.grad import clip_grad_norm
+from scratchlm.training.loss_scale import INIT_SCALE, LossScaler
 from scratchlm.training.muon import assign_owners
 from scratchlm.training.recipes import FAST, merged
 
@@ -167,6 +174,35 @@ def test_one_process_ignores_fsdp_and_says_so_once(tmp_path: Path, capfd):
     train(single)
     assert capfd.readouterr().err.count('training.parallel = "fsdp" in one process: ignored') == 1
     assert len(run_metrics(tmp_path / "one", "train_loss")) == 2
+
+
+def _clip_on_shards(rank: int, world: int, store: str) -> None:
+    """In each of `world` processes: the global norm of sharded gradients, then an overflow on rank 1 alone."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        whole = [torch.randn(5, 3), torch.randn(4), torch.randn(1, 2)]  # 1 row: rank 1's shard is empty
+        params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in whole]
+        for p, t in zip(params, whole, strict=True):
+            p.grad = distribute_tensor(2 * t, mesh, [Shard(0)])
+        norm = clip_grad_norm(params, max_l2_norm=1.0)
+        expected = torch.linalg.vector_norm(torch.cat([2 * t.flatten() for t in whole]))
+        torch.testing.assert_close(norm, expected)
+        for p, t in zip(params, whole, strict=True):  # every shard scaled by the same factor
+            torch.testing.assert_close(p.grad.full_tensor(), 2 * t / (expected + 1e-6))
+
+        scaler = LossScaler(enabled=True)
+        if rank == 1:
+            local(params[0].grad)[0, 0] = math.inf
+        assert not scaler.update(clip_grad_norm(params, max_l2_norm=1.0))  # skipped on every rank
+        assert scaler.scale == INIT_SCALE / 2 and scaler.skipped == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_gradients_are_clipped_by_the_global_norm_and_an_overflow_skips_every_rank(tmp_path: Path):
+    torch.multiprocessing.spawn(_clip_on_shards, args=(2, str(tmp_path / "store")), nprocs=2)
 
 
 @pytest.mark.parametrize(
