@@ -72,7 +72,8 @@ def two_processes_against_one(tmp_path: Path, config: TrainConfig, *sets: str) -
     config_path = tmp_path / "config.toml"
     config_path.write_text(config.to_toml())
     train(config.replace(training={"grad_accum": 1}))
-    torchrun_train(config_path, tmp_path / "two", *sets)
+    console = torchrun_train(config_path, tmp_path / "two", *sets)
+    assert "on cpu × 2 processes (fsdp)" in console
     assert len(run_metrics(tmp_path / "two", "train_loss")) == STEPS  # rank 0 alone wrote the records
     return last_checkpoint(tmp_path / "one"), last_checkpoint(tmp_path / "two")
 
