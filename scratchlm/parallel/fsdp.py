@@ -6,23 +6,23 @@ each of N processes holds 1/N of the 16 bytes a parameter that float32 weights a
 communication: before a module's forward (and again before its backward) its parameters are all-gathered into
 whole tensors, used, and freed; after its backward its gradients are reduce-scattered, each process keeping
 the average over processes of its own shard. Each Transformer block is one unit of this (`fully_shard` on
-each), so only one block's whole parameters exist at a time, and the gather of the next block overlaps the
-compute of this one; the root unit holds the rest: the token and value embeddings, the U-net weights, the
+each), so only a block or two have their whole parameters at a time, and (on a GPU) the gather of the next
+block overlaps the compute of this one; the root unit holds the rest: the token and value embeddings, the U-net weights, the
 final norm and the LM head.
 
 Mixed precision is the device plan's: under bf16 or fp16 each block's parameters are gathered in the compute
 dtype (half the bytes to move) and its gradients reduced in float32 (`MixedPrecisionPolicy`); autocast, which
 the step runs the forward in as without sharding, still decides which operations compute in the low
-precision. The root is gathered in float32: the residual stream then stays float32, as it is without sharding
-(autocast keeps additions in float32), and the root's parameters are few next to the blocks' in any model
-large enough to need sharding. `reshard_after_forward` frees the gathered blocks after the forward (gathering
+precision. The root is gathered in float32: the embeddings' rows, and so the residual stream, then stay float32
+as they are without sharding (autocast lowers the matmuls only, not the additions), and the root holds a small
+share of a large model's parameters. `reshard_after_forward` frees the gathered blocks after the forward (gathering
 them again for the backward) to save memory; false keeps them until the backward, trading memory for
 communication. The root's are always kept: its backward follows its forward at once.
 
 Gradients are reduce-scattered after every micro-batch, in float32 into the float32 shards: skipping the
 reduction until the last micro-batch would add them up whole, in the compute dtype, on every process. Compiled,
-each block is compiled on its own before it is sharded (as torchtitan does): the gathers stay outside the
-compiled code, and every block reuses one compiled graph.
+each block is compiled on its own before it is sharded (as torchtitan does), so the gathers stay outside the
+compiled code.
 """
 
 from __future__ import annotations
