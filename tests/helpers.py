@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: where the public fixtures live, and comparing two training states.
+"""Helpers shared by the tests: where the public fixtures live, comparing two training states, and training
+runs under torchrun and what they wrote.
 
 The fixtures ship with the project in `tests/fixtures/` (their origins and licences are in its README.md) and
 are read from there only. A missing fixture is a plain test failure, never a skip: a fresh clone has them all.
@@ -6,6 +7,10 @@ are read from there only. A missing fixture is a plain test failure, never a ski
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -40,3 +45,53 @@ def assert_same_gradients(a: torch.nn.Module, b: torch.nn.Module, atol: float, r
     """Every parameter of `a` has the gradient of the same parameter of `b` (the same architecture)."""
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=name)
+
+
+def torchrun_command(
+    config_path: Path,
+    run_dir: Path,
+    *sets: str,
+    processes: int = 2,
+    resume: bool = False,
+    launcher: tuple[str, ...] = ("--standalone",),
+) -> list[str]:
+    """`torchrun LAUNCHER --nproc_per_node PROCESSES -m scratchlm train --config CONFIG_PATH [--resume]`,
+    training into `run_dir` with `section.key=value` overrides `sets`, as users launch it (`launcher`: the
+    rendezvous flags, one machine by default)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", str(processes),
+        "-m", "scratchlm", "train", "--config", str(config_path), "--set", f"logging.run_dir={run_dir}",
+        *(arg for value in sets for arg in ("--set", value)), *(["--resume"] if resume else []),
+    ]  # fmt: skip
+
+
+# One thread a process: the tests' processes share two cores.
+TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun_train(
+    config_path: Path, run_dir: Path, *sets: str, processes: int = 2, resume: bool = False
+) -> str:
+    """`torchrun_command` run on this machine's CPU (Gloo) to its end. Fails the test if it fails; returns its
+    stderr (the console)."""
+    command = torchrun_command(config_path, run_dir, *sets, processes=processes, resume=resume)
+    result = subprocess.run(command, env=TORCHRUN_ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def run_metrics(run_dir: Path, key: str) -> list[float]:
+    """The values of `key` in the records of `run_dir/metrics.jsonl`, in order."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r[key] for r in map(json.loads, lines) if key in r]
+
+
+def last_checkpoint(run_dir: Path) -> dict:
+    """The newest checkpoint of `run_dir` as the dict a single file holds; a sharded one (a directory, as
+    `training.parallel = "fsdp"` writes) consolidated in this process."""
+    from scratchlm.run import Checkpoint
+
+    path = sorted((run_dir / "checkpoints").iterdir())[-1]
+    if path.is_dir():
+        return Checkpoint.read(path).to_dict()
+    return torch.load(path, weights_only=True)

@@ -4,16 +4,14 @@ every precision: exactly (to float32 rounding) in fp32, to within the low precis
 Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm train --config FILE`.
 """
 
-import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import TORCHRUN_ENV, run_metrics, torchrun_command, torchrun_train
 
 from scratchlm import train
 from scratchlm.training.config import TrainConfig
@@ -59,40 +57,19 @@ def ddp_config(tmp_path: Path, precision: str = "fp32") -> Path:
     return path
 
 
-def torchrun(*launcher: str, config: Path, run_dir: Path) -> subprocess.Popen:
-    """`torchrun LAUNCHER... -m scratchlm train --config CONFIG` into `run_dir`, started (one thread a
-    process); `finish` waits for it."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", *launcher,
-        "-m", "scratchlm", "train", "--config", str(config), "--set", f"logging.run_dir={run_dir}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen) -> None:
-    _, err = process.communicate(timeout=300)
-    assert process.returncode == 0, err[-3000:]
-
-
-def metrics(run_dir: Path, key: str) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r[key] for r in map(json.loads, lines) if key in r]
-
-
 @pytest.mark.parametrize("precision", TOLERANCE)
 def test_two_processes_match_one(tmp_path: Path, precision: str):
     rtol = TOLERANCE[precision]
     config_path = ddp_config(tmp_path, precision)
     config = TrainConfig.load(config_path)
     train(config.replace(training={"grad_accum": 1}))  # the whole global batch at once, in this process
-    finish(torchrun("--standalone", "--nproc_per_node", "2", config=config_path, run_dir=tmp_path / "two"))
+    torchrun_train(config_path, tmp_path / "two")
 
     one, two = tmp_path / "one", tmp_path / "two"
-    np.testing.assert_allclose(metrics(two, "train_loss"), metrics(one, "train_loss"), rtol=rtol)
-    np.testing.assert_allclose(metrics(two, "grad_norm"), metrics(one, "grad_norm"), rtol=10 * rtol)
-    np.testing.assert_allclose(metrics(two, "val_loss"), metrics(one, "val_loss"), rtol=rtol)
-    assert len(metrics(two, "train_loss")) == 6  # rank 0 alone wrote the records
+    np.testing.assert_allclose(run_metrics(two, "train_loss"), run_metrics(one, "train_loss"), rtol=rtol)
+    np.testing.assert_allclose(run_metrics(two, "grad_norm"), run_metrics(one, "grad_norm"), rtol=10 * rtol)
+    np.testing.assert_allclose(run_metrics(two, "val_loss"), run_metrics(one, "val_loss"), rtol=rtol)
+    assert len(run_metrics(two, "train_loss")) == 6  # rank 0 alone wrote the records
     one = torch.load(tmp_path / "one" / "checkpoints" / "step_00000006.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "checkpoints" / "step_00000006.pt", weights_only=True)
     assert one["model"].keys() == two["model"].keys()  # the spec's names, no "module." prefix
@@ -117,18 +94,22 @@ def test_two_machines_train_one_run_like_one_machine(tmp_path: Path):
     config = ddp_config(tmp_path)
     port = free_port()
     nodes = [
-        torchrun(
-            "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-machines",
-            config=config, run_dir=tmp_path / f"node{rank}",
+        subprocess.Popen(
+            torchrun_command(
+                config, tmp_path / f"node{rank}", processes=1,
+                launcher=("--nnodes", "2", "--node-rank", str(rank), "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-machines"),
+            ),
+            env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank in (0, 1)
     ]  # fmt: skip
     for node in nodes:
-        finish(node)
-    finish(torchrun("--standalone", "--nproc-per-node", "2", config=config, run_dir=tmp_path / "one-machine"))
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    torchrun_train(config, tmp_path / "one-machine")
 
     [written] = [tmp_path / name for name in ("node0", "node1") if (tmp_path / name).exists()]
     for key in ("train_loss", "grad_norm", "val_loss"):
-        assert metrics(written, key) == metrics(tmp_path / "one-machine", key)
-    assert len(metrics(written, "train_loss")) == 6
+        assert run_metrics(written, key) == run_metrics(tmp_path / "one-machine", key)
+    assert len(run_metrics(written, "train_loss")) == 6

@@ -3,11 +3,7 @@ against a torch.nn.functional oracle, zero-initialised output projections, the K
 training with Muon + WSD: exact resume, and two DDP processes equal to one."""
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -15,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_state
+from helpers import assert_same_state, last_checkpoint, run_metrics, torchrun_train
 from reference_lm import complex_rope
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -220,20 +216,11 @@ def recipe_config(tmp_path: Path, run: str, **training) -> TrainConfig:
     )
 
 
-def metrics(run_dir: Path, key: str) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r[key] for r in map(json.loads, lines) if key in r]
-
-
-def last_checkpoint(run_dir: Path) -> dict:
-    return torch.load(sorted((run_dir / "checkpoints").iterdir())[-1], weights_only=True)
-
-
 def test_muon_wsd_recipe_learns_and_resumes_bit_for_bit(tmp_path):
     straight = train(recipe_config(tmp_path, "straight"))
-    losses = metrics(tmp_path / "straight", "train_loss")
+    losses = run_metrics(tmp_path / "straight", "train_loss")
     assert losses[-1] < 0.6 * losses[0] and math.isfinite(straight.final_val_loss)
-    lrs = metrics(tmp_path / "straight", "lr")  # the Muon group's rate: warm-up, stable, linear decay
+    lrs = run_metrics(tmp_path / "straight", "lr")  # the Muon group's rate: warm-up, stable, linear decay
     assert lrs[:2] == pytest.approx([0.025, 0.05]) and lrs[5] == pytest.approx(0.05)
     assert lrs[-1] == pytest.approx(0.005)
 
@@ -242,7 +229,7 @@ def test_muon_wsd_recipe_learns_and_resumes_bit_for_bit(tmp_path):
     a, b = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
     assert a["iteration"] == b["iteration"] == 12
     assert_same_state(a, b)
-    assert metrics(tmp_path / "straight", "train_loss") == metrics(tmp_path / "resumed", "train_loss")
+    assert run_metrics(tmp_path / "straight", "train_loss") == run_metrics(tmp_path / "resumed", "train_loss")
 
 
 def test_two_ddp_processes_with_muon_match_one(tmp_path):
@@ -255,15 +242,9 @@ def test_two_ddp_processes_with_muon_match_one(tmp_path):
     config_path = tmp_path / "config.toml"
     config_path.write_text(config.to_toml())
     train(config.replace(training={"grad_accum": 1}))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "scratchlm", "train", "--config", str(config_path), "--set", f"logging.run_dir={tmp_path / 'two'}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun_train(config_path, tmp_path / "two")
     np.testing.assert_allclose(
-        metrics(tmp_path / "two", "train_loss"), metrics(tmp_path / "one", "train_loss"), rtol=1e-5
+        run_metrics(tmp_path / "two", "train_loss"), run_metrics(tmp_path / "one", "train_loss"), rtol=1e-5
     )
     one, two = last_checkpoint(tmp_path / "one"), last_checkpoint(tmp_path / "two")
     for key in one["model"]:

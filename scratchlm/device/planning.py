@@ -15,9 +15,8 @@ code that runs the model needs to know:
                    one-token steps without oneDNN): whichever way measured fastest here
     for_inference  a model with its weights held in `dtype`, in eval mode, its stackable matrices stacked
 
-Inference holds the weights in the compute dtype rather than casting float32 weights at every matmul:
-decoding a token reads every weight once, so its speed is bound by memory bandwidth, and bf16 weights halve
-the bytes read. The model's own float32 islands (RMSNorm, softmax, the loss, sampling) stay float32.
+The plan holds facts and choices only; what applies them to a model (`for_inference`'s layout, the
+parallelism of training) is `scratchlm.parallel`, the layer above both the device and the model.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from scratchlm.device.choices import (
     resolve_precision,
 )
 from scratchlm.device.profile import DTYPES, DeviceProfile, device_profile
-from scratchlm.model.layers import lay_out_for_inference
-from scratchlm.model.transformer import TransformerLM
 
 
 @dataclass(frozen=True)
@@ -72,17 +69,12 @@ class Plan:
         return torch.autocast(device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def for_inference(self, model: nn.Module) -> nn.Module:
-        """`model` in eval mode with its parameters held in `dtype`, the matrices that read the same input
-        stacked into one (`LinearStack`), and `matvec`'s way applied, in place; returned for chaining. Buffers
-        are left as they are: RoPE's cosines and sines keep float32, and each rotation is rounded once."""
-        model.eval()
-        for parameter in model.parameters():
-            if parameter.is_floating_point() and parameter.dtype != self.dtype:
-                parameter.data = parameter.data.to(self.dtype)
-        lay_out_for_inference(model, wide_by_columns=self.matvec.value == "columns")
-        if isinstance(model, TransformerLM):
-            model.one_token_without_onednn = self.matvec.value == "rows_no_onednn"
-        return model
+        """`model` laid out for inference as this plan says, in place; returned for chaining
+        (`scratchlm.parallel.inference.prepare_for_inference`: weights in `dtype`, stacks fused, `matvec`'s
+        way applied)."""
+        from scratchlm.parallel.inference import prepare_for_inference  # the layer above the device's facts
+
+        return prepare_for_inference(model, self)
 
     def summary(self) -> str:
         """The one line a command prints when it starts."""

@@ -8,7 +8,8 @@
     [schedule]    kind (cosine | wsd | linear), warmup_iters, cosine_cycle_iters (0: the run's last step),
                   decay_fraction (scratchlm.training.schedule: the section beside the registry of schedules)
     [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, threads,
-                  compile, seed, init_from
+                  compile, seed, init_from, parallel (ddp | fsdp), reshard_after_forward,
+                  activation_checkpointing (scratchlm.parallel)
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
@@ -39,6 +40,7 @@ from scratchlm.chat.sft import SFTConfig
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import to_toml, toml_value
 from scratchlm.model.config import ModelConfig
+from scratchlm.parallel import ParallelName
 from scratchlm.precisions import Precision
 from scratchlm.training.optimizers import OptimizerConfig
 from scratchlm.training.recipes import merged
@@ -72,9 +74,15 @@ class TrainingConfig:
     fused_loss: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     init_from: str = ""  # a run directory or checkpoint whose weights a new run starts from (fresh optimizer)
-    # several processes: "ddp" (each holds the whole model) or "fsdp" (each holds a shard); a world of one
-    # shards nothing. "fsdp" saves checkpoints as directories of shards (scratchlm.run.sharded)
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # how the processes of a torchrun launch share the model (scratchlm.parallel): ddp, a whole copy each;
+    # fsdp, a shard each of the parameters, gradients and optimizer state. One process ignores it
+    parallel: ParallelName = "ddp"
+    # fsdp: free each block's gathered parameters after its forward and gather them again for its backward;
+    # false keeps them until the backward: more memory, less communication
+    reshard_after_forward: bool = True
+    # recompute each block's activations in the backward pass rather than keep them: less memory, about one
+    # more forward pass of compute a step
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -410,7 +418,7 @@ def _section_dict(section: Any) -> dict[str, Any]:
 
 
 # Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where
-# and how fast it runs (model.attention included), and how often it evaluates, checkpoints and logs (and init_from, which only a new run
+# and how fast it runs (model.attention and the parallelism included), and how often it evaluates, checkpoints and logs (and init_from, which only a new run
 # reads). Every other key shapes what the run computes, so a silent change would make one run of two
 # different experiments.
 CHANGEABLE_ON_RESUME = (
@@ -422,9 +430,11 @@ CHANGEABLE_ON_RESUME = (
     "training.threads",
     "training.compile",
     "training.fused_loss",
+    "training.parallel",
+    "training.reshard_after_forward",
+    "training.activation_checkpointing",
     "model.attention",
     "training.init_from",
-    "training.parallel",
     "eval.interval",
     "eval.iters",
     "checkpoint.interval",

@@ -1,10 +1,9 @@
-"""Data-parallel training across processes with `torch.distributed` (launched by torchrun).
+"""The processes of a training run, with `torch.distributed` (launched by torchrun).
 
 torchrun starts one process per device and tells each, through environment variables, its `RANK` (0..W-1
-over all machines), `LOCAL_RANK` (its device on this machine) and `WORLD_SIZE` (W). Every process holds a full
-copy of the model, trains on its own slice of the global batch, and `DistributedDataParallel` averages the
-gradients across processes during the backward pass (NCCL between GPUs, Gloo between CPU processes), so every
-copy takes the same optimizer step. Rank 0 alone writes logs and checkpoints. Started without torchrun, a
+over all machines), `LOCAL_RANK` (its device on this machine) and `WORLD_SIZE` (W). Each process trains on its
+own slice of the global batch; how the model is spread over them (a whole copy each under DDP, a shard each
+under FSDP) is `scratchlm.parallel`'s. Rank 0 alone writes logs and checkpoints. Started without torchrun, a
 process is rank 0 of a world of one and none of this machinery is used.
 """
 
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scratchlm.errors import ScratchlmError
 
@@ -77,8 +77,8 @@ def all_reduce(value: torch.Tensor, op: str = "mean") -> torch.Tensor:
     return value
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Wrap `model` for data-parallel training (call only in a multi-process run)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of `tensor`: the local shard of a sharded DTensor (FSDP's parameters, gradients and
+    optimizer state), which shares its storage, so that in-place updates of it update the DTensor; any other
+    tensor as it is. The optimizers step on shards with it, elementwise and without DTensor's dispatch."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scratchlm.training.distributed import local
+
 INIT_SCALE = 2.0**16
 GROWTH, BACKOFF = 2.0, 0.5
 GROWTH_INTERVAL = 2000  # clean steps before the scale doubles (PyTorch's GradScaler default)
@@ -49,13 +51,14 @@ class LossScaler:
         """Divide every gradient by the scale, in place (before clipping reads the gradient norm)."""
         if not self.enabled:
             return
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [local(p.grad) for p in parameters if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
 
     def update(self, grad_norm: Tensor) -> bool:
         """After unscaling and measuring the gradient norm: whether the step may be applied, with the scale
-        adjusted for the next one. A non-finite norm is an overflow: the step is skipped."""
+        adjusted for the next one. A non-finite norm is an overflow: the step is skipped. The norm is the
+        global one (`clip_grad_norm`: all-reduced under sharding), so every process decides alike."""
         if not self.enabled:
             return True
         if not torch.isfinite(grad_norm):

@@ -31,7 +31,9 @@ hyperparameters. Embeddings, the output head and the gains stay with AdamW: an e
 linear map, and a gain is a vector (`scratchlm.training.optim.build_optimizer` makes the groups). Matrices of
 one shape are orthogonalised together as one batch of matrix products. Under DistributedDataParallel the
 gradients are already averaged across processes when `step()` runs, so every process computes the same update
-on its own and the copies stay identical (tested).
+on its own and the copies stay identical (tested). Under FSDP each process holds a shard of every matrix; the
+momentum is elementwise and stays on the shards, but orthogonalising needs the whole matrix, so each matrix has
+an owner process that gathers it, orthogonalises it and scatters the result back (`orthogonalise_sharded`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from jaxtyping import Float
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.training.distributed import local
 from scratchlm.training.optim import Params, _check_positive, adamw_update, evaluate_closure
 
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -135,28 +140,105 @@ class Muon(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        grads = [p.grad for p in params]
+        grads = [local(p.grad) for p in params]
         buffers = []
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buffers.append(state["momentum_buffer"])
+            buffers.append(local(state["momentum_buffer"]))
         momentum, lr = group["momentum"], group["lr"]
         torch._foreach_lerp_(buffers, grads, 1 - momentum)  # B + (1-μ)(G - B) = μ B + (1-μ) G
         directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
-
-        # Matrices of one shape (and device) are orthogonalised as one batch.
-        by_shape: dict[tuple, list[int]] = {}
-        for i, p in enumerate(params):
-            by_shape.setdefault((p.shape, p.device), []).append(i)
+        weights = [local(p) for p in params]
         if group["weight_decay"]:
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        for indices in by_shape.values():
-            orthogonal = newton_schulz(
-                torch.stack([directions[i] for i in indices]), group["ns_steps"], self.ns_dtype
-            )
-            rows, cols = params[indices[0]].shape  # one shape per batch, so one step size
+            torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
+        if isinstance(params[0], DTensor):
+            updates = orthogonalise_sharded(params, directions, group["ns_steps"], self.ns_dtype)
+        else:
+            updates = orthogonalise(directions, group["ns_steps"], self.ns_dtype)
+        for indices in by_shape(params).values():
+            rows, cols = params[indices[0]].shape  # one shape, so one step size
             torch._foreach_add_(
-                [params[i] for i in indices], orthogonal.unbind(0), alpha=-lr * max(1.0, rows / cols) ** 0.5
+                [weights[i] for i in indices],
+                [updates[i] for i in indices],
+                alpha=-lr * max(1.0, rows / cols) ** 0.5,
             )
+
+
+def by_shape(matrices: list[Tensor]) -> dict[tuple, list[int]]:
+    """The indices of `matrices` grouped by (whole) shape and device."""
+    groups: dict[tuple, list[int]] = {}
+    for i, matrix in enumerate(matrices):
+        groups.setdefault((matrix.shape, matrix.device), []).append(i)
+    return groups
+
+
+def orthogonalise(matrices: list[Tensor], steps: int, dtype: torch.dtype) -> list[Tensor]:
+    """`newton_schulz` of each matrix; those of one shape as one batch."""
+    result: list[Tensor] = list(matrices)
+    for indices in by_shape(matrices).values():
+        orthogonal = newton_schulz(torch.stack([matrices[i] for i in indices]), steps, dtype)
+        for i, matrix in zip(indices, orthogonal.unbind(0), strict=True):
+            result[i] = matrix
+    return result
+
+
+def assign_owners(sizes: list[int], world_size: int) -> list[int]:
+    """The rank that orthogonalises each of the matrices of `sizes` (their element counts): the largest first,
+    each to the rank with the fewest elements so far (the lowest such rank on a tie). This greedy rule leaves
+    the busiest rank at most 4/3 of the best possible load (Graham, 1969), and within one matrix of an even
+    share when, as in a Transformer, the matrices come in many copies of a few sizes."""
+    loads = [0] * world_size
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(world_size), key=lambda rank: (loads[rank], rank))
+        owners[i] = owner
+        loads[owner] += sizes[i]
+    return owners
+
+
+def orthogonalise_sharded(
+    params: list[DTensor], directions: list[Tensor], steps: int, dtype: torch.dtype
+) -> list[Tensor]:
+    """The local shards of `newton_schulz` of the whole matrices of which `directions` are this process's
+    shards (rows, as FSDP shards `params`: `Shard(0)`, ceil(rows / N) rows a process, the last ones fewer
+    or none). Each matrix has an owner (`assign_owners`): its shards are gathered there, the owner
+    orthogonalises its matrices, those of one shape as one batch, and scatters each result back as shards.
+    The processes' work is split N ways, and a matrix crosses the network twice (against N times for an
+    all-gather to every process)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    owners = assign_owners([p.numel() for p in params], world)
+    # The rows a shard holds, padded to the largest shard's: gather and scatter move tensors of equal sizes.
+    chunks = [-(-p.shape[0] // world) for p in params]
+
+    def padded(shard: Tensor, i: int) -> Tensor:
+        out = shard.new_zeros(chunks[i], shard.shape[1])
+        out[: shard.shape[0]] = shard
+        return out
+
+    received: dict[int, list[Tensor]] = {}
+    pending = []
+    for i, direction in enumerate(directions):
+        if owners[i] == rank:
+            received[i] = [direction.new_empty(chunks[i], direction.shape[1]) for _ in range(world)]
+        pending.append(dist.gather(padded(direction, i), received.get(i), dst=owners[i], async_op=True))
+    for work in pending:
+        work.wait()
+    mine = sorted(received)
+    whole = [torch.cat(received[i])[: params[i].shape[0]] for i in mine]
+    orthogonal = dict(zip(mine, orthogonalise(whole, steps, dtype), strict=True))
+
+    updates, pending = [], []
+    for i, direction in enumerate(directions):
+        out = direction.new_empty(chunks[i], direction.shape[1])
+        parts = None
+        if i in orthogonal:
+            full = orthogonal[i].new_zeros(chunks[i] * world, direction.shape[1])
+            full[: params[i].shape[0]] = orthogonal[i]
+            parts = list(full.split(chunks[i]))
+        pending.append(dist.scatter(out, parts, src=owners[i], async_op=True))
+        updates.append(out[: direction.shape[0]])
+    for work in pending:
+        work.wait()
+    return updates

@@ -9,7 +9,8 @@ AdamW (Loshchilov & Hutter, 2019) keeps, per parameter, running averages of the 
 
 Each rule is applied to all parameters of a group at once with `torch._foreach_*` kernels (a few launches per
 step instead of a few per parameter), which is what makes the optimizer step cheap next to the model's
-forward and backward passes.
+forward and backward passes. Both rules are elementwise: under FSDP each process applies them to its own shard
+of every parameter (the state is made `zeros_like` the sharded parameter, so it is sharded alike).
 
 `parameter_groups` splits a model's parameters into named groups by their role, which the model declares: the
 hidden weight matrices, the token embeddings, the output head and the gains (the 1-D RMSNorm weights).
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.training.distributed import local
 
 Params = Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
 
@@ -59,7 +61,7 @@ class SGD(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 t = state.get("t", 0)
-                p.add_(p.grad, alpha=-group["lr"] / math.sqrt(t + 1))
+                local(p).add_(local(p.grad), alpha=-group["lr"] / math.sqrt(t + 1))
                 state["t"] = t + 1
         return loss
 
@@ -108,10 +110,10 @@ def adamw_update(group: dict[str, Any], states: dict[torch.Tensor, dict[str, Any
             state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
         t = state["step"]
-        params.append(p)
-        grads.append(p.grad)
-        ms.append(state["m"])
-        vs.append(state["v"])
+        params.append(local(p))
+        grads.append(local(p.grad))
+        ms.append(local(state["m"]))
+        vs.append(local(state["v"]))
         step_sizes.append(-lr * math.sqrt(1 - beta2**t) / (1 - beta1**t))
     if not params:
         return

@@ -150,7 +150,7 @@ class Reporter:
             if budget.deciding
             else f"{budget.total_steps:,} steps"
         )
-        processes = f" × {self.dist.world_size} processes" if self.dist.enabled else ""
+        processes = f" × {self.dist.world_size} processes ({t.parallel})" if self.dist.enabled else ""
         console.print(
             f"training {parameters:,} parameters on {choices.device}{processes}: {steps}"
             f" of {t.batch_size} × {config.model.context_length} tokens → {self.run_dir}"

@@ -18,7 +18,6 @@ unscaled before clipping; a step whose gradients overflowed is skipped (`scratch
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -31,6 +30,7 @@ from scratchlm.device import Plan
 from scratchlm.errors import DivergedError
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.parallel import Execution
 from scratchlm.run.checkpoint import Checkpoint, TrainingState
 from scratchlm.run.directory import RunDirectory
 from scratchlm.training.budget import TimeBudget
@@ -55,15 +55,15 @@ class TrainStep:
         device: torch.device,
         model: TransformerLM,
         optimizer: torch.optim.Optimizer,
-        train_model: torch.nn.Module,
-        forward_model: torch.nn.Module,
+        execution: Execution,
         choices: Plan,
         scaler: LossScaler,
     ) -> None:
         t = config.training
         self.config, self.dist, self.device = config, dist, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.train_model, self.forward_model = train_model, forward_model
+        self.execution = execution
+        self.train_model, self.forward_model = execution.train_model, execution.forward_model
         self.autocast, self.fused_loss = choices.autocast(), choices.fused_loss.value
         self.precision = choices.precision.value
         self.context = config.model.context_length
@@ -90,19 +90,14 @@ class TrainStep:
         mine = drawn[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
         # The loss is the mean over every counted target of the global batch: each micro-batch's mean is
         # weighted by its share of them (1 / grad_accum for windows, where every target counts), times the
-        # processes, whose gradients DDP averages.
+        # processes, whose gradients DDP (or FSDP) averages.
         total = batches.counted(drawn)
         loss_sum = torch.zeros((), device=self.device)
         for k in range(t.grad_accum):
             batch = mine[k * self.micro_batch : (k + 1) * self.micro_batch]
             divisor = total / (batches.counted(batch) * self.dist.world_size)
             inputs, targets = batches.gather(batch, self.device)
-            # Gradients are averaged across processes once per step, on the last micro-batch's backward.
-            last = k == t.grad_accum - 1
-            no_sync = (
-                self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
-            )
-            with no_sync:
+            with self.execution.gradient_sync(last=k == t.grad_accum - 1):
                 with self.autocast:
                     if self.fused_loss and batches.ignore_index is None:
                         loss = self.train_model(inputs, targets=targets) / divisor
@@ -125,10 +120,10 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def checkpoint(
-        self, step: int, data_rng: dict[str, Any], elapsed_s: float, budget: TimeBudget
+        self, step: int, data_rng: dict[str, Any], elapsed_s: float, budget: TimeBudget, whole: bool = True
     ) -> Checkpoint:
         """Everything that continues the run exactly after `step` steps (`data_rng`: the sampling generator's
-        state after them)."""
+        state after them); without the model's and optimizer's state unless `whole`."""
         cuda = self.device.type == "cuda"
         training = TrainingState(
             config=self.config.to_dict(),
@@ -142,24 +137,31 @@ class TrainStep:
             loss_scale=self.scaler.state_dict() if self.scaler.enabled else None,
             world_size=self.dist.world_size,
         )
+        if not whole:  # the model and optimizer go into shards (scratchlm.run.sharded): the rest is here
+            return Checkpoint({}, step, self.model.config, training=training)
         return Checkpoint.of(self.model, step, optimizer=self.optimizer.state_dict(), training=training)
 
     @torch.no_grad()
     def validation_loss(self, batches: Batches) -> float:
         """Mean loss over the counted targets of the validation batches (`eval.iters` of them, the same ones
         every time). Each process takes its share of every batch and runs it in chunks of the training
-        micro-batch (which fits in memory)."""
+        micro-batch (which fits in memory). Under FSDP every forward pass gathers parameters with all the
+        processes, so each runs as many as the one with the largest share, the surplus ones on a row it does
+        not count."""
         self.model.eval()
         seed = self.config.training.seed + EVAL_SEED_OFFSET
         total, counted = torch.zeros((), device=self.device), 0
+        lockstep = self.execution.lockstep
         for indices in batches.validation_batches(self.config.eval.iters, self.eval_batch, seed):
             counted += batches.counted(indices)
             mine = np.array_split(indices, self.dist.world_size)[self.dist.rank]
-            for chunk in np.array_split(mine, max(1, math.ceil(len(mine) / self.micro_batch))):
-                if len(chunk):
-                    inputs, targets = batches.gather(chunk, self.device)
+            largest = math.ceil(len(indices) / self.dist.world_size)
+            for chunk in np.array_split(mine, max(1, math.ceil(largest / self.micro_batch))):
+                if len(chunk) or lockstep:
+                    inputs, targets = batches.gather(chunk if len(chunk) else indices[:1], self.device)
                     with self.autocast:
                         loss = cross_entropy(self.forward_model(inputs), targets, batches.ignore_index)
-                    total += loss * batches.counted(chunk)
+                    if len(chunk):
+                        total += loss * batches.counted(chunk)
         self.model.train()
         return all_reduce(total, "sum").item() / counted

@@ -7,8 +7,9 @@ A session is made of components, each built by a function of the config before t
     the optimizer       `build_optimizer`, over the parameter groups the model declares     (optimizers.py)
     the starting point  `restore` (resume) or `start_from_weights` (`training.init_from`), with the time
                         budget                                                               (start.py)
-    how the model runs  `build_execution`: compiled, under DDP; the rest (precision, autocast, loss scaling,
-                        the fused loss) is the device plan's                                 (scratchlm.device)
+    how the model runs  `build_execution`: checkpointed, compiled, under DDP or FSDP     (scratchlm.parallel);
+                        the rest (precision, autocast, loss scaling, the fused loss) is the device plan's
+                                                                                             (scratchlm.device)
 
 `build_session` puts them together; `_Run` holds them and runs the loop, which calls the step (step.py) and
 the reporting (report.py). `training.batch_size` is the global batch: sequences per optimizer step over all
@@ -39,17 +40,12 @@ from scratchlm.device import Plan, apply_threads, plan, resolve_device
 from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.model.transformer import TransformerLM
+from scratchlm.parallel import Execution, parallelize
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.sharded import save_sharded
 from scratchlm.run.summary import RunSummary, StopReason
-from scratchlm.training.config import TrainConfig
-from scratchlm.training.distributed import (
-    Distributed,
-    all_reduce,
-    init_distributed,
-    shutdown_distributed,
-    wrap_ddp,
-)
+from scratchlm.training.config import TrainConfig, TrainingConfig
+from scratchlm.training.distributed import Distributed, all_reduce, init_distributed, shutdown_distributed
 from scratchlm.training.inputs import TrainingData, load_training_data
 from scratchlm.training.loss_scale import LossScaler
 from scratchlm.training.optimizers import build_optimizer
@@ -115,21 +111,13 @@ def build_model(config: TrainConfig, device: torch.device) -> TransformerLM:
     return TransformerLM(config.model, device=device)
 
 
-@dataclass(frozen=True)
-class Execution:
-    """How the model runs: compiled (the compiled module serves evaluation) and, under several processes,
-    wrapped by DistributedDataParallel for training."""
-
-    forward_model: torch.nn.Module
-    train_model: torch.nn.Module
-
-
 def build_execution(
-    model: TransformerLM, choices: Plan, device: torch.device, dist: Distributed
+    model: TransformerLM, training: TrainingConfig, choices: Plan, device: torch.device, dist: Distributed
 ) -> Execution:
-    forward_model = torch.compile(model) if choices.compile.value else model
-    train_model = wrap_ddp(forward_model, device) if dist.enabled else forward_model
-    return Execution(forward_model, train_model)
+    """How the model runs (`scratchlm.parallel.parallelize`): its blocks checkpointed where
+    `training.activation_checkpointing`, compiled where the plan says, and under several processes
+    DistributedDataParallel or FSDP (`training.parallel`)."""
+    return parallelize(model, training, choices, device, dist)
 
 
 @dataclass(frozen=True)
@@ -147,15 +135,16 @@ class Session:
 
 def build_session(session: Session, resume: bool, allow_config_change: bool = False) -> _Run:
     """The components of one session, each from its function, in the order that keeps runs reproducible:
-    the model's weights are drawn, then the optimizer made, then a checkpoint (or `init_from`) loaded."""
+    the model's weights are drawn, then how it runs is built (FSDP turns its parameters into shards, which
+    the optimizer must be made over), then the optimizer made, then a checkpoint (or `init_from`) loaded."""
     config, run_dir, data = session.config, session.run_dir, session.data
     dist, device, choices = session.dist, session.device, session.choices
     model = build_model(config, device)
+    execution = build_execution(model, config.training, choices, device, dist)
     optimizer = build_optimizer(config.optimizer, model, precision=choices.precision.value)
     progress = restore(config, run_dir, model, optimizer, device, dist, resume, allow_config_change)
     if config.training.init_from and progress.last_saved is None:  # a resumed run continues its own weights
         start_from_weights(config, model, data.tokenizer, dist)
-    execution = build_execution(model, choices, device, dist)
     scaler = LossScaler(choices.loss_scaling)
     if progress.loss_scale is not None and scaler.enabled:
         scaler.load_state_dict(progress.loss_scale)
@@ -165,8 +154,7 @@ def build_session(session: Session, resume: bool, allow_config_change: bool = Fa
         device,
         model,
         optimizer,
-        execution.train_model,
-        execution.forward_model,
+        execution,
         choices,
         scaler,
     )
@@ -326,7 +314,9 @@ class _Run:
             return None
         path = self.run_dir.checkpoint(self.step, sharded)
         fingerprint = None if self.data.tokenizer is None else self.data.tokenizer.fingerprint
-        checkpoint = self.stepper.checkpoint(self.step, self.committed_rng, self._elapsed(), self.budget)
+        checkpoint = self.stepper.checkpoint(
+            self.step, self.committed_rng, self._elapsed(), self.budget, whole=not sharded
+        )
         checkpoint = dataclasses.replace(checkpoint, tokenizer_fingerprint=fingerprint)
         if sharded:
             save_sharded(checkpoint, self.model, self.stepper.optimizer, path)
