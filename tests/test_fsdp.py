@@ -32,7 +32,7 @@ from scratchlm.training.distributed import local
 from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss_scale import INIT_SCALE, LossScaler
 from scratchlm.training.muon import assign_owners
-from scratchlm.training.recipes import FAST, merged
+from scratchlm.training.recipes import FAST, HANDOUT, merged
 
 STEPS = 30
 SHAPE = {"vocab_size": 64, "context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 4}
@@ -119,10 +119,10 @@ def test_fsdp_two_processes_match_one_with_muon_and_activation_checkpointing(tmp
 
 
 @pytest.mark.slow  # about 75 s here
-def test_a_sharded_run_saves_one_file_that_resumes_sharded_or_in_one_process(tmp_path: Path):
-    """The sharded run's checkpoint is gathered into the single file (model and optimizer whole); resuming
-    from it spreads it back to the shards, and one process resumes from it as from any other: both continue
-    the run as if it had not stopped, to float32 rounding."""
+def test_a_sharded_run_resumes_sharded_or_in_one_process(tmp_path: Path):
+    """The sharded run's checkpoint (a directory of each process's shards, `scratchlm.run.sharded`) resumes on
+    two processes, and in one process, which reads every shard: both continue the run as if it had not
+    stopped, to float32 rounding."""
     whole = config(tmp_path, FAST, "fp32").replace(
         training={"max_steps": 8},
         schedule={"cosine_cycle_iters": 8},  # the schedule of 8 steps, also in the session that stops at 4
@@ -221,6 +221,36 @@ def _clip_on_shards(rank: int, world: int, store: str) -> None:
 
 def test_sharded_gradients_are_clipped_by_the_global_norm_and_an_overflow_skips_every_rank(tmp_path: Path):
     torch.multiprocessing.spawn(_clip_on_shards, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
+def _resume_where_each_sees(rank: int, store: str, run_dirs: list[str]) -> None:
+    """One process of two, each with its own run directory, starting a resume (`restore`)."""
+    from scratchlm.run.directory import RunDirectory
+    from scratchlm.training.distributed import Distributed
+    from scratchlm.training.start import restore
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = TrainConfig.load(Path(run_dirs[rank]).parent / "config.toml")
+        with pytest.raises(ScratchlmError, match=r"different newest checkpoints .*\(none to step 3\)"):
+            restore(cfg, RunDirectory(run_dirs[rank]), None, None, torch.device("cpu"),
+                    Distributed(rank, rank, 2), resume=True)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_that_find_different_checkpoints_refuse_to_resume(tmp_path: Path):
+    """Two machines without a shared file system: one finds step 3, the other no checkpoint. Both stop with
+    the same one-line error, before any other collective (none of them hangs)."""
+    whole = config(tmp_path, HANDOUT, "fp32")
+    (tmp_path / "config.toml").write_text(whole.to_toml())
+    seen, empty = tmp_path / "seen", tmp_path / "empty"
+    (seen / "checkpoints").mkdir(parents=True)
+    (seen / "checkpoints" / "step_00000003.pt").write_bytes(b"")  # only its name is read before the check
+    empty.mkdir()
+    torch.multiprocessing.spawn(
+        _resume_where_each_sees, args=(str(tmp_path / "store"), [str(seen), str(empty)]), nprocs=2
+    )
 
 
 @pytest.mark.parametrize(

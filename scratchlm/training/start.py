@@ -10,6 +10,7 @@ config it trained with, beyond `CHANGEABLE_ON_RESUME`, unless `--allow-config-ch
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from scratchlm.run.sharded import load_sharded, load_whole, read_state
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
-from scratchlm.training.distributed import Distributed
+from scratchlm.training.distributed import Distributed, all_reduce
 
 
 @dataclass
@@ -60,6 +61,7 @@ def restore(
     trained with, beyond `CHANGEABLE_ON_RESUME`, unless `allow_config_change`)."""
     fresh = Progress(0, None, np.random.default_rng(config.training.seed), 0.0, TimeBudget(config))
     existing = run_dir.latest_checkpoint()
+    _check_same_checkpoint(existing, dist, device)
     if existing is not None and not resume:
         raise ScratchlmError(
             f"run directory {run_dir} already has checkpoints; continue it with --resume, "
@@ -95,6 +97,24 @@ def restore(
     return Progress(
         checkpoint.step, checkpoint.step, fresh.generator, training.elapsed_s, budget, training.loss_scale
     )
+
+
+def _check_same_checkpoint(existing: Path | None, dist: Distributed, device: torch.device) -> None:
+    """Every process must find the same newest checkpoint. Machines that do not share the run directory's file
+    system would otherwise each start from their own (or one of them from none) and train apart, rank 0 alone
+    writing. A collective: every process calls it."""
+    if not dist.enabled:
+        return
+    step = -1 if existing is None else int(re.sub(r"\D", "", existing.name.split(".")[0]))
+    found = all_reduce(torch.tensor([step, -step], dtype=torch.int64, device=device), "max").tolist()
+    newest, oldest = found[0], -found[1]
+    if newest != oldest:
+        seen = ["none" if s < 0 else f"step {s}" for s in (oldest, newest)]
+        raise ScratchlmError(
+            f"the processes find different newest checkpoints in the run directory ({seen[0]} to {seen[1]}): "
+            "every machine must see the same run directory (a shared file system, or the checkpoints copied "
+            "to each); see docs/distributed.md"
+        )
 
 
 def start_from_weights(
