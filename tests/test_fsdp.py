@@ -1,5 +1,5 @@
 """Sharded training (`training.parallel = "fsdp"`): two processes on CPU (Gloo) train like one process with the
-same global batch, for the specification's recipe (AdamW) and the fast one (Muon, whose matrices are gathered
+same global batch, for the spec recipe (AdamW) and the fast one (Muon, whose matrices are gathered
 to an owner process, orthogonalised and scattered back as shards); the activation-checkpointed model computes
 what the plain one does; and Muon's owners are balanced by size.
 
@@ -32,7 +32,7 @@ from scratchlm.training.distributed import local
 from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss_scale import INIT_SCALE, LossScaler
 from scratchlm.training.muon import assign_owners
-from scratchlm.training.recipes import FAST, HANDOUT, merged
+from scratchlm.training.recipes import FAST, RECIPES, merged
 
 STEPS = 30
 SHAPE = {"vocab_size": 64, "context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 4}
@@ -87,7 +87,7 @@ def assert_same_runs(tmp_path: Path, one: dict, two: dict, rtol: float, metrics:
         np.testing.assert_allclose(
             run_metrics(tmp_path / "two", key), run_metrics(tmp_path / "one", key), rtol=rtol, err_msg=key
         )
-    # The checkpoint of the sharded run is the single-file one, whole, with the specification's names.
+    # The sharded run's checkpoint, consolidated, is the one-process run's: the same names, the same values.
     assert one["model"].keys() == two["model"].keys()
     for key in one["model"]:
         torch.testing.assert_close(two["model"][key], one["model"][key], atol=10 * rtol, rtol=10 * rtol)
@@ -242,7 +242,7 @@ def _resume_where_each_sees(rank: int, store: str, run_dirs: list[str]) -> None:
 def test_processes_that_find_different_checkpoints_refuse_to_resume(tmp_path: Path):
     """Two machines without a shared file system: one finds step 3, the other no checkpoint. Both stop with
     the same one-line error, before any other collective (none of them hangs)."""
-    whole = config(tmp_path, HANDOUT, "fp32")
+    whole = config(tmp_path, RECIPES["spec"], "fp32")
     (tmp_path / "config.toml").write_text(whole.to_toml())
     seen, empty = tmp_path / "seen", tmp_path / "empty"
     (seen / "checkpoints").mkdir(parents=True)

@@ -27,7 +27,8 @@ SMALL = ModelConfig(vocab_size=64, context_length=16, d_model=32, num_layers=2, 
 BLOCK, ROOT = 13_376, 4_128
 TOTAL = 2 * BLOCK + ROOT  # 30,880
 MATRICES = 2 * (4_096 + 9_216)  # 26,624: Muon's
-# Activations of one sequence of 16 tokens (the handout's list, `accounting.activation_elements`): per block
+# Activations of one sequence of 16 tokens (the CS336 assignment-1 handout's list,
+# `accounting.activation_elements`): per block
 # 2 norms 2·16·32 = 1,024, Q K V 16·96 = 1,536, scores and softmax 2·4·16² = 2,048, weighted sum and output
 # projection 2·16·32 = 1,024, SwiGLU 4·16·96 + 16·32 = 6,656: 12,288 a block; then the final norm 16·32 = 512
 # and logits + probabilities 2·16·64 = 2,048.

@@ -18,8 +18,8 @@ sequence), with the project's training as it runs:
   step) and those of one block at a time.
 - **Activations** are those of one micro-batch, `batch_size / N / grad_accum` sequences, each saving the
   values `accounting.activation_elements` lists, at 2 bytes under bf16 or fp16 and 4 under fp32. That list is
-  the CS336 handout's: it counts every logit and two `L × L` attention matrices, where the fused loss and the
-  blockwise attention keep less, so it is an upper estimate. With activation checkpointing a block keeps only
+  the CS336 assignment-1 handout's: it counts every logit and two `L × L` attention matrices, where the fused
+  loss and the blockwise attention keep less, so it is an upper estimate. With activation checkpointing a block keeps only
   its input (the float32 residual stream, `d_model` values a token) and recomputes the rest in the backward
   pass: the micro-batch holds every block's input, one block's activations at a time, and the head's.
 
