@@ -26,6 +26,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -228,20 +229,62 @@ class _Console(Console):
 console = _Console(stderr=True, **console_settings)
 
 
-def progress(transient: bool = False, counter: bool = False) -> Progress:
-    """A progress display for long work: description, bar, percentage (or done/total), elapsed, remaining."""
+def progress(
+    transient: bool = False, counter: bool = False, every: float | None = 30.0, columns: tuple[Any, ...] = ()
+) -> Progress:
+    """A progress display for long work: description, bar, percentage (or done/total), elapsed, remaining.
+
+    The bar is drawn on a terminal only: in a pipe, a log file or CI a redrawn bar is noise. There, a line
+    every `every` seconds says how far each task has come instead (`LineProgress`), so that long work through
+    `| tee` or under `nohup` is never silent; None prints nothing (work that logs lines of its own).
+    `columns` replace the bar's usual ones (a download's bytes and speed)."""
     middle = MofNCompleteColumn() if counter else TaskProgressColumn()
-    return Progress(
+    columns = columns or (
         TextColumn("{task.description}", style="bold", markup=False),  # descriptions name files
         BarColumn(),
         middle,
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        console=console,
-        transient=transient,
-        # Drawn on a terminal only: in CI logs and pipes a redrawn bar is noise.
-        disable=not console.is_terminal,
     )
+    if console.is_terminal:
+        return Progress(*columns, console=console, transient=transient)
+    return LineProgress(*columns, console=console, every=every)
+
+
+class LineProgress(Progress):
+    """A `Progress` that draws nothing and prints, at most every `every` seconds of a task, one line of how far
+    it has come: `encoding train.txt: 41% (12.3 of 30.0 MB), 1m02.0s, about 1m29.2s left`."""
+
+    def __init__(self, *columns: Any, every: float | None, **kwargs: Any) -> None:
+        super().__init__(*columns, disable=True, **kwargs)
+        self.every = every
+        self.printed: dict[TaskID, float] = {}  # when each task last printed (or started)
+
+    def add_task(self, *args: Any, **kwargs: Any) -> TaskID:
+        task_id = super().add_task(*args, **kwargs)
+        self.printed[task_id] = self.get_time()
+        return task_id
+
+    def update(self, task_id: TaskID, **kwargs: Any) -> None:
+        super().update(task_id, **kwargs)
+        self._report(task_id)
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._report(task_id)
+
+    def _report(self, task_id: TaskID) -> None:
+        now = self.get_time()
+        if self.every is None or now - self.printed.get(task_id, now) < self.every:
+            return
+        self.printed[task_id] = now
+        task = self._tasks[task_id]
+        if task.total:
+            done = f"{task.percentage:.0f}% ({task.completed:,.0f} of {task.total:,.0f})"
+        else:
+            done = f"{task.completed:,.0f}"
+        left = "" if task.time_remaining is None else f", about {format_seconds(task.time_remaining)} left"
+        self.console.print(f"{task.description}: {done}, {format_seconds(task.elapsed or 0.0)}{left}")
 
 
 def process_peak_memory_mb() -> float:

@@ -40,7 +40,7 @@ from rich.progress import (
 )
 
 from scratchlm import __version__
-from scratchlm.console import console
+from scratchlm.console import console, progress
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 
@@ -262,12 +262,12 @@ def decompress_gzip(source: Path, dest: Path) -> Path:
 
 
 def _byte_progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}", style="bold", markup=False),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not console.is_terminal,
+    return progress(
+        columns=(
+            TextColumn("{task.description}", style="bold", markup=False),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+        )
     )

@@ -60,7 +60,7 @@ class MetricsLogger:
                     "logging.tensorboard = true needs the tensorboard package: pip install 'scratchlm[tensorboard]'"
                 ) from None
             self.tensorboard = SummaryWriter(log_dir=str(run.path / "tensorboard"))
-        self.bar = progress(counter=True)
+        self.bar = progress(counter=True, every=None)  # the log lines say how far training has come
         self.bar.start()
         self.task = self.bar.add_task("training", total=total_steps, completed=start_step)
 
