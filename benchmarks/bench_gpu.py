@@ -12,6 +12,8 @@ written as JSON.
 3. Peak memory of each, and of the LM head + loss fused or not at 128 × 512 tokens, vocab 32K.
 4. Decoding: one query per head against a long KV cache (grouped-query attention), forward only: the Triton
    split-key decode kernel against SDPA and the blocked implementation.
+5. Decoding a model: the TinyStories model's one-token decode steps (`scratchlm.generation.decode`), eager
+   against compiled (on a GPU as CUDA graphs), tokens/s at batch 1 and 16, with the compilation's seconds.
 
 `--tiny` runs every row at toy shapes (on a CPU too: the Triton row then needs `TRITON_INTERPRET=1`, and is
 marked "n/a" without it), which the test suite does so that the script keeps working.
@@ -22,9 +24,11 @@ Two more modes need no benchmark run:
   kernel, architecture, dtype and padded head size, the launch settings the run-time choice takes, their
   shared memory against the architecture's limit, registers, spills and instruction mix
   (`scratchlm.kernels.aot`). `--arch/--dtype/--head-dim/--kernel` narrow it, `--jobs` compiles in parallel.
-- `--checklist` is what the first session with a GPU runs: versions, the GPU tests, the kernel tests compiled
-  rather than interpreted, compute-sanitizer's memcheck and racecheck on one odd-length causal GQA case
-  (`--case`), then this benchmark; one PASS/FAIL line per step, logs under `--logs`.
+- `--checklist` is what a machine with a GPU runs first, within `--budget` seconds (8 minutes) in order of
+  importance: versions, the GPU tests, the decode-model row, the training row, the other rows of this
+  benchmark, the kernels' launch settings, the kernel tests compiled rather than interpreted (with their GPU
+  tests), compute-sanitizer's memcheck and racecheck on one odd-length causal GQA case (`--case`); one
+  PASS/FAIL/TIMEOUT/SKIP line per step, a log per step and one JSON report under `--logs`.
 
     python benchmarks/bench_gpu.py --device cuda --out gpu.json
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --tiny --device cpu --no-compile
@@ -70,6 +74,11 @@ FULL = {
     "head": (128 * 512, 32_000, 768),
     # (batch, heads, kv_heads, cached keys, d_head): one new token per sequence, Llama-3-8B's attention shape
     "decode": [(8, 32, 8, 4096, 128), (1, 32, 8, 32_768, 128), (32, 16, 16, 1024, 64)],
+    "decode_model": (
+        ModelConfig(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16),
+        (1, 16),
+        200,
+    ),
 }
 TINY = {
     "leaderboard": (1, 2, 96, 16),
@@ -79,8 +88,14 @@ TINY = {
     },
     "head": (256, 512, 32),
     "decode": [(2, 4, 2, 100, 16)],
+    "decode_model": (
+        ModelConfig(vocab_size=128, context_length=32, d_model=64, num_layers=2, num_heads=4),
+        (1, 4),
+        8,
+    ),
 }
 ROOT = Path(__file__).resolve().parent.parent
+SECTION_NAMES = ["attention", "training", "head", "decode", "decode_model"]
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -200,6 +215,48 @@ def bench_decode(
     return rows
 
 
+def bench_decode_model(
+    config: ModelConfig, batches: tuple[int, ...], steps: int, device: torch.device, args
+) -> list[dict]:
+    """Tokens/s of the model's decode steps at each batch size, eager and (`--compile`) compiled: `steps`
+    steps from half the context, every row its own sequence; the first compiled step (the compilation) is
+    timed apart. bf16 weights on a GPU, as `Plan.for_inference` holds them there."""
+    from scratchlm.generation.decode import Decoder
+
+    torch.manual_seed(0)
+    model = TransformerLM.from_config(config, device=device).eval()
+    if device.type == "cuda":
+        model.to(torch.bfloat16)
+    rows = []
+    start_length = config.context_length // 2
+    for batch in batches:
+        for compiled in (False, True) if args.compile else (False,):
+            decoder = Decoder(model, batch, compiled)
+            tokens = torch.zeros(batch, dtype=torch.long, device=device)
+
+            def run(n: int, decoder=decoder, tokens=tokens, batch=batch) -> float:
+                decoder.cache.lengths[:batch] = [start_length] * batch
+                sync(device)
+                start = time.perf_counter()
+                for _ in range(n):
+                    decoder.step(tokens)
+                sync(device)
+                return time.perf_counter() - start
+
+            with torch.inference_mode():
+                first = run(1)
+                seconds = min(run(min(steps, start_length - 1)) for _ in range(2))
+            rows.append(
+                {
+                    "batch": batch,
+                    "decode": "compiled" if compiled else "eager",
+                    "tokens_per_s": batch * min(steps, start_length - 1) / seconds,
+                    "first_step_s": first,
+                }
+            )
+    return rows
+
+
 def bench_training(name: str, config: ModelConfig, batch: int, device: torch.device, args) -> list[dict]:
     torch.manual_seed(0)
     ours = TransformerLM.from_config(config, device=device)
@@ -263,6 +320,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="toy shapes (any device; the smoke test)")
     parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTION_NAMES,
+        default=SECTION_NAMES,
+        help="what to measure (default all)",
+    )
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--aot", action="store_true", help="the ahead-of-time table of the attention kernels")
     parser.add_argument("--arch", type=int, nargs="+", help="--aot: compute capabilities (default: 70 … 90)")
@@ -275,6 +339,9 @@ def main() -> None:
     parser.add_argument("--json", help="--aot: also write the rows to this file")
     parser.add_argument("--checklist", action="store_true", help="the first-GPU checklist (see above)")
     parser.add_argument("--logs", default="gpu_checklist", help="--checklist: where each step's log goes")
+    parser.add_argument(
+        "--budget", type=float, default=480, help="--checklist: seconds for all its steps (default 480)"
+    )
     parser.add_argument("--case", action="store_true", help="one odd-length causal GQA case (for sanitizers)")
     args = parser.parse_args()
     if args.aot:
@@ -288,7 +355,14 @@ def main() -> None:
     args.peak_flops = matmul_peak(device, torch.bfloat16, 256 if args.tiny else 8192)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results: dict = {"device": name, "matmul_peak_tflops": args.peak_flops / 1e12, "tiny": args.tiny}
+    for section in args.sections:
+        SECTIONS[section](shapes, device, name, args, results)
+        with open(args.out, "w") as f:  # after every section: a run cut short keeps what it measured
+            json.dump(results, f, indent=2)
+    print(f"\nwritten to {args.out}")
 
+
+def attention_section(shapes: dict, device: torch.device, name: str, args, results: dict) -> None:
     batch, heads, _, _ = shapes["leaderboard"]
     attention = bench_attention(shapes["leaderboard"], device, torch.bfloat16, args.repeats)
     for seq, d_head in shapes["sweep"]:
@@ -302,6 +376,8 @@ def main() -> None:
             f"{fmt(r['ms'], '.3f'):>10}{fmt(r['peak_mib'], '.0f'):>10}"
         )
 
+
+def training_section(shapes: dict, device: torch.device, name: str, args, results: dict) -> None:
     training = []
     for model_name, (config, model_batch) in shapes["models"].items():
         training += bench_training(model_name, config, model_batch, device, args)
@@ -316,6 +392,8 @@ def main() -> None:
             f"{fmt(r['peak_mib'], '.0f'):>10}"
         )
 
+
+def head_section(shapes: dict, device: torch.device, name: str, args, results: dict) -> None:
     tokens, vocab, d_model = shapes["head"]
     head = {
         variant: run_variant(variant, 1, tokens, vocab, d_model, device.type, 1)
@@ -326,6 +404,8 @@ def main() -> None:
     for variant, r in head.items():
         print(f"{variant:<10}{fmt(r['peak_gpu'] and r['peak_gpu'] / 2**20, '.0f'):>10}{r['loss']:>10.5f}")
 
+
+def decode_section(shapes: dict, device: torch.device, name: str, args, results: dict) -> None:
     decode = []
     for shape in shapes["decode"]:
         decode += bench_decode(shape, device, torch.bfloat16, args.repeats)
@@ -338,9 +418,25 @@ def main() -> None:
             f"{fmt(r['us'], '.1f'):>10}"
         )
 
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwritten to {args.out}")
+
+def decode_model_section(shapes: dict, device: torch.device, name: str, args, results: dict) -> None:
+    config, batches, steps = shapes["decode_model"]
+    results["decode_model"] = bench_decode_model(config, batches, steps, device, args)
+    print(
+        f"\ndecoding the {config.d_model}-wide, {config.num_layers}-layer model: tokens/s, eager and compiled"
+    )
+    print(f"{'batch':>6}{'decode':>10}{'tokens/s':>12}{'first step s':>14}")
+    for r in results["decode_model"]:
+        print(f"{r['batch']:>6}{r['decode']:>10}{r['tokens_per_s']:>12,.0f}{r['first_step_s']:>14.2f}")
+
+
+SECTIONS = {
+    "attention": attention_section,
+    "training": training_section,
+    "head": head_section,
+    "decode": decode_section,
+    "decode_model": decode_model_section,
+}
 
 
 def aot(args) -> None:
@@ -380,51 +476,96 @@ def sanitizer_case() -> None:
 
 
 def checklist(args) -> None:
-    """Each step in its own process, its output to `--logs/<step>.log`; one PASS/FAIL line per step."""
+    """The steps in order of importance, each in its own process and within its own time limit, all within
+    `--budget` seconds; a step's output goes to `--logs/<step>.log`, one PASS/FAIL/TIMEOUT/SKIP line per step
+    is printed, and `--logs/report.json` holds the whole: each step's status, seconds and log, the versions,
+    and the benchmark's results. The report is rewritten after every step, so a run cut short still has
+    one."""
     logs = Path(args.logs).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     python = [sys.executable]
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py"))
-    compiled_tests = [
-        "tests/test_flash_attention.py",
-        "tests/test_model_attention.py",
-        "tests/test_bench_gpu.py",
-    ]
-    compiled_tests += kernel_tests
+    compiled_tests = ["tests/test_flash_attention.py", "tests/test_model_attention.py", *kernel_tests]
+    bench = [*python, "benchmarks/bench_gpu.py", "--repeats", "5"]
     case = [*python, "benchmarks/bench_gpu.py", "--case"]
-    steps = {
-        "versions": [*python, "-c", VERSIONS],
-        "gpu tests": [*python, "-m", "pytest", "-m", "gpu", "-n", "4", "tests/test_gpu.py", *kernel_tests],
-        "kernel tests compiled": [*python, "-m", "pytest", "-n", "4", *compiled_tests],
-        "memcheck": ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *case],
-        "racecheck": ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1", *case],
-        "benchmark": [*python, "benchmarks/bench_gpu.py", "--out", str(logs / "bench_gpu.json")],
-    }
+    # (name, command, its own limit in seconds): correctness first, then the figures, then the slow checks.
+    # Measured on an H200 (the first run, caches cold): versions 5 s, gpu tests 20 s, decode model 35 s,
+    # training 105 s, the kernels' launch settings 25 s a dtype; the kernel tests take minutes.
+    steps = [
+        ("versions", [*python, "-c", VERSIONS], 60),
+        ("gpu tests", [*python, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], 120),
+        (
+            "decode model",
+            [*bench, "--sections", "decode_model", "--out", str(logs / "decode_model.json")],
+            120,
+        ),
+        (
+            "training",
+            [*bench, "--sections", "training", "--repeats", "3", "--out", str(logs / "training.json")],
+            180,
+        ),
+        (
+            "benchmark",
+            [*bench, "--sections", "attention", "head", "decode", "--out", str(logs / "benchmark.json")],
+            150,
+        ),
+        ("launch settings", [*python, "-c", LAUNCH_SETTINGS], 120),
+        ("kernel tests compiled", [*python, "-m", "pytest", "-q", "-n", "4", *compiled_tests], 300),
+        ("memcheck", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *case], 90),
+        ("racecheck", ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1", *case], 90),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    failed = []
-    for name, command in steps.items():
+    report: dict = {"budget_s": args.budget, "steps": [], "results": {}}
+    deadline = time.monotonic() + args.budget
+    for name, command, limit in steps:
         log = logs / f"{name.replace(' ', '_')}.log"
+        left = deadline - time.monotonic()
+        entry = {"step": name, "command": " ".join(command), "log": str(log), "seconds": 0.0}
         if shutil.which(command[0]) is None:
-            print(f"SKIP  {name:<24} {command[0]} not found")
-            failed.append(name)
-            continue
-        start = time.perf_counter()
-        with open(log, "w") as out:
-            code = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
-        print(f"{'PASS' if code == 0 else 'FAIL'}  {name:<24} {time.perf_counter() - start:7.0f} s  {log}")
-        if code:
-            failed.append(name)
-    print(
-        f"\n{len(steps) - len(failed)} of {len(steps)} steps passed"
-        + (f"; not: {', '.join(failed)}" if failed else "")
-    )
+            entry |= {"status": "SKIP", "why": f"{command[0]} not found"}
+        elif left < 10:
+            entry |= {"status": "SKIP", "why": f"the {args.budget:.0f} s budget is spent"}
+        else:
+            entry |= run_step(command, log, env, min(limit, left))
+        print(
+            f"{entry['status']:<8}{name:<24}{entry['seconds']:7.0f} s  " + (entry.get("why") or str(log)),
+            flush=True,
+        )
+        report["steps"].append(entry)
+        if name == "versions" and log.exists():
+            report["versions"] = log.read_text()
+        for source in ("decode_model", "training", "benchmark"):
+            if (logs / f"{source}.json").exists():
+                report["results"] |= json.loads((logs / f"{source}.json").read_text())
+        (logs / "report.json").write_text(json.dumps(report, indent=2))
+    passed = [e["step"] for e in report["steps"] if e["status"] == "PASS"]
+    failed = [e["step"] for e in report["steps"] if e["status"] != "PASS"]
+    print(f"\n{len(passed)} of {len(steps)} steps passed" + (f"; not: {', '.join(failed)}" if failed else ""))
+    print(f"report: {logs / 'report.json'}")
     if failed:
         raise SystemExit(1)
 
 
+def run_step(command: list[str], log: Path, env: dict, limit: float) -> dict:
+    """Run one step, its output to `log`, killed with its children (pytest's, compile workers) at `limit`."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            return {"status": "TIMEOUT", "seconds": time.perf_counter() - start, "why": f"over {limit:.0f} s"}
+    status = "PASS" if code == 0 else "FAIL"
+    return {"status": status, "seconds": time.perf_counter() - start, "returncode": code}
+
+
 VERSIONS = """
 import platform, shutil, subprocess, torch, triton
-from scratchlm.kernels.launch import DTYPES, choose, device_limits, LADDERS
+from scratchlm.kernels.launch import device_limits
 print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__,
       "cuda", torch.version.cuda)
 if shutil.which("nvidia-smi"):
@@ -433,9 +574,15 @@ device = torch.device("cuda", torch.cuda.current_device())
 arch, limit = device_limits(device)
 print(torch.cuda.get_device_name(device), f"sm_{arch}", f"shared memory per block {limit:,} B",
       torch.cuda.get_device_properties(device).multi_processor_count, "SMs")
+"""
+# The run-time launch settings of each kernel: choosing compiles candidates, about 25 s a dtype the first time.
+LAUNCH_SETTINGS = """
+import torch
+from scratchlm.kernels.launch import DTYPES, choose, device_limits, LADDERS
+arch, limit = device_limits(torch.device("cuda", torch.cuda.current_device()))
 for dtype in DTYPES:
     for d in (64, 128):
-        print(DTYPES[dtype], d, {k: str(choose(k, arch, limit, dtype, d, True)) for k in LADDERS})
+        print(DTYPES[dtype], d, {k: str(choose(k, arch, limit, dtype, d, True)) for k in LADDERS}, flush=True)
 """
 
 

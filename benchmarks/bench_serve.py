@@ -11,7 +11,10 @@ clients are threads speaking HTTP and reading the streamed events, each asking f
 
 - aggregate tokens/s: all new tokens over the wall time, with all clients at once and one client at a time;
 - time to first token, p50 and p95, with all clients at once (from sending a request to its first token);
-- one request's tokens/s through the server against `generate_stream` in the process (the same sampling).
+- one request's tokens/s through the server against `generate_stream` in the process (the same sampling);
+
+each with the engine's decode steps eager and compiled (`scratchlm.generation.decode`; compiled before the
+first request, as `scratchlm serve` does), side by side with their ratio.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 8 --tokens 64 --threads 1
@@ -96,6 +99,12 @@ def main() -> None:
         "--threads", type=int, default=0, help="torch threads (default: what `scratchlm serve` chooses here)"
     )
     parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto")
+    parser.add_argument(
+        "--decode",
+        choices=("both", "eager", "compiled"),
+        default="both",
+        help="the engine's decode steps: both side by side (default), or one",
+    )
     args = parser.parse_args()
     # As `scratchlm serve` does: the plan's precision and threads (the free cores, or --threads).
     choices = plan(torch.device("cpu"), args.precision, threads=args.threads, option="--precision")
@@ -110,7 +119,50 @@ def main() -> None:
     )
     prompts = [SENTENCES[i % len(SENTENCES)] for i in range(args.clients)]
     assert all(max(tokenizer.encode(p)) < config.vocab_size for p in prompts)
-    engine = Engine(model, tokenizer.token_id(END_OF_TEXT), max_batch=max(16, args.clients))
+    print(
+        f"TinyStories-shape model: {model.num_parameters():,} parameters, {choices.precision.value} "
+        f"(a token times a matrix: {choices.matvec.value}), {torch.get_num_threads()} "
+        f"threads; {args.clients} clients × {args.tokens} new tokens, temperature {args.temperature}, "
+        f"top-p {args.top_p}"
+    )
+    ways = {"eager": False, "compiled": True}
+    if args.decode != "both":
+        ways = {args.decode: ways[args.decode]}
+    measured = {way: measure(model, tokenizer, prompts, compiled, args) for way, compiled in ways.items()}
+    print(f"\n| measure | {' | '.join(measured)} |" + (" compiled / eager |" if len(measured) == 2 else ""))
+    print("|---" * (len(measured) + 1 + (len(measured) == 2)) + "|")
+    for label, key, unit, higher in ROWS:
+        values = [m[key] for m in measured.values()]
+        cells = " | ".join(f"{v:,.1f} {unit}".strip() for v in values)
+        ratio = (
+            f" **{values[1] / values[0]:.2f}×** |"
+            if len(values) == 2 and higher is not None
+            else (" |" if len(values) == 2 else "")
+        )
+        print(f"| {label.format(clients=args.clients)} | {cells} |{ratio}")
+
+
+# (label, key, unit, whether higher is better: None for figures that are not compared)
+ROWS = [
+    ("aggregate, {clients} concurrent", "batched", "tokens/s", True),
+    ("aggregate, one at a time", "one_by_one", "tokens/s", True),
+    ("batched / one at a time", "batched_gain", "×", None),
+    ("time to first token, {clients} concurrent, p50", "ttft_p50_ms", "ms", False),
+    ("time to first token, {clients} concurrent, p95", "ttft_p95_ms", "ms", False),
+    ("one request through the server", "single", "tokens/s", True),
+    ("`generate_stream`, same model and sampling", "direct", "tokens/s", True),
+    ("server / generate_stream", "server_share", "", None),
+    ("largest batch run", "peak_batch", "", None),
+]
+
+
+def measure(model: TransformerLM, tokenizer: Tokenizer, prompts: list[str], compiled: bool, args) -> dict:
+    """One server's figures, its engine's decode steps eager or compiled (compiled before the first request,
+    as `scratchlm serve` does)."""
+    engine = Engine(
+        model, tokenizer.token_id(END_OF_TEXT), max_batch=max(16, args.clients), compiled=compiled
+    )
+    engine.warm_up(print)
     engine.start()
     server = build_server(engine, tokenizer, "tinystories-shape", port=0)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -118,12 +170,6 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    print(
-        f"TinyStories-shape model: {model.num_parameters():,} parameters, {choices.precision.value} "
-        f"(a token times a matrix: {choices.matvec.value}), {torch.get_num_threads()} "
-        f"threads; {args.clients} clients × {args.tokens} new tokens, temperature {args.temperature}, "
-        f"top-p {args.top_p}"
-    )
 
     def body(prompt: str, seed: int) -> dict:
         return {
@@ -143,7 +189,7 @@ def main() -> None:
     def direct(seed: int) -> float:
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
-        options = dict(temperature=args.temperature, top_p=args.top_p, generator=generator)
+        options = dict(temperature=args.temperature, top_p=args.top_p, generator=generator, compile=compiled)
         count = sum(1 for _ in generate_stream(model, ids, args.tokens, **options))
         assert count == args.tokens
         return time.perf_counter() - start
@@ -167,18 +213,17 @@ def main() -> None:
     assert total == sum(tokens for _, _, tokens in sequential) == args.clients * args.tokens
     batched, one_by_one = total / concurrent_s, total / sequential_s
     first = [ttft for ttft, _, _ in concurrent]
-    print("| measure | value |\n|---|---|")
-    print(f"| aggregate, {args.clients} concurrent | {batched:,.0f} tokens/s |")
-    print(f"| aggregate, one at a time | {one_by_one:,.0f} tokens/s |")
-    print(f"| batched / one at a time | **{batched / one_by_one:.1f}×** |")
-    print(
-        f"| time to first token, {args.clients} concurrent: p50 / p95 | {statistics.median(first) * 1000:,.0f} / "
-        f"{percentile(first, 0.95) * 1000:,.0f} ms |"
-    )
-    print(f"| one request through the server | {args.tokens / single:,.1f} tokens/s |")
-    print(f"| `generate_stream`, same model and sampling | {args.tokens / direct_s:,.1f} tokens/s |")
-    print(f"| server / generate_stream | **{direct_s / single:.2f}** |")
-    print(f"(largest batch run: {engine.peak_batch})")
+    return {
+        "batched": batched,
+        "one_by_one": one_by_one,
+        "batched_gain": batched / one_by_one,
+        "ttft_p50_ms": statistics.median(first) * 1000,
+        "ttft_p95_ms": percentile(first, 0.95) * 1000,
+        "single": args.tokens / single,
+        "direct": args.tokens / direct_s,
+        "server_share": direct_s / single,
+        "peak_batch": engine.peak_batch,
+    }
 
 
 if __name__ == "__main__":

@@ -149,6 +149,28 @@ def test_greedy_tokens_equal_generate_among_16_concurrent(server) -> None:
     idle_after(server.engine, 1.0)
 
 
+def test_a_compiled_engine_gives_the_tokens_of_an_eager_one(run_dir) -> None:
+    """Decode steps compiled at batch sizes 1 and 2 (the rows in use rounded up): six concurrent requests of
+    different lengths join and leave the batch, and each gets the tokens `generate` gives eagerly."""
+    compiled = Running(load_trained(run_dir), "tiny-run", max_batch=2, compiled=True)
+    try:
+        assert compiled.engine.decoder.is_compiled_for(1) and compiled.engine.decoder.is_compiled_for(2)
+        lengths = [12 + 3 * i for i in range(6)]
+
+        def ask(i: int) -> list[int]:
+            options = ids_body(model="tiny-run", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=lengths[i])
+            return token_ids(compiled.client.completions.create(temperature=0, **options).choices[0])
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(ask, range(6), timeout=TIMEOUT * 4))
+        for i in range(6):
+            expected = compiled.expected(PROMPTS[i % len(PROMPTS)], lengths[i], temperature=0, compile=False)
+            assert got[i] == expected, i
+        assert compiled.engine.peak_batch == 2
+    finally:
+        compiled.close()
+
+
 def test_seeded_sampling_is_reproducible_and_equals_generate(server) -> None:
     options = dict(model="tiny-run", prompt="The cat sat", max_tokens=30, temperature=1.0, top_p=0.9)
     first = server.client.completions.create(seed=7, **ids_body(**options)).choices[0]

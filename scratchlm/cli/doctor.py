@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> None:
 
     from scratchlm.console import console
     from scratchlm.device import plan, resolve_device
+    from scratchlm.device.decode_timings import device_timings
     from scratchlm.device.profile import (
         affinity_cpus,
         busy_cores,
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> None:
             "busy": round(busy_cores(), 2),
         },
         "compile_works": {"value": compile_ok, "reason": compile_note},
+        "decode_timings": {shape: asdict(t) for shape, t in device_timings(device).items()},
     }
     if args.world is not None:
         report["memory"] = memory_report(config, args.world, choices.precision.value, memory_budget(profile))
@@ -139,6 +141,11 @@ def run(args: argparse.Namespace) -> None:
         "fused loss", f"{'on' if choices.fused_loss.value else 'off'} ({choices.fused_loss.reason})"
     )
     table.add_row("token × matrix", f"{choices.matvec.value} ({choices.matvec.reason})")
+    table.add_row(
+        "decode step", f"{'compiled' if choices.decode.value else 'eager'} ({choices.decode.reason})"
+    )
+    for shape, timings in device_timings(device).items():
+        table.add_row("", f"measured {shape}: {timings.describe()}")
     peak = choices.peak_flops.value
     table.add_row(
         "MFU peak", f"{'' if peak is None else f'{peak / 1e12:,.1f} TFLOP/s '}({choices.peak_flops.reason})"

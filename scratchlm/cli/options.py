@@ -89,6 +89,12 @@ def add_model_source_arguments(
     add_device_argument(parser)
     if precision:
         add_precision_argument(parser)
+        parser.add_argument(
+            "--no-compile",
+            action="store_true",
+            help="decode eagerly: never compile the one-token decode step (by default it is compiled where "
+            "it measures faster and the tokens to generate pay for compiling it)",
+        )
 
 
 def inference_plan(args: argparse.Namespace, device: torch.device) -> Plan:
@@ -97,7 +103,7 @@ def inference_plan(args: argparse.Namespace, device: torch.device) -> Plan:
     from scratchlm.console import console
     from scratchlm.device import apply_threads, plan
 
-    choices = plan(device, args.precision, option="--precision")
+    choices = plan(device, args.precision, option="--precision", compile_decode=not args.no_compile)
     apply_threads(choices.threads.value)
     for warning in choices.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)

@@ -69,7 +69,10 @@ def run(args: argparse.Namespace) -> None:
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             stop_ids=end_ids(tokenizer),
+            compiled=choices.decode.value,
         )
+        console.print(f"decode step: {choices.decode.reason}", style="dim")
+        engine.warm_up(lambda line: console.print(line, style="dim"))
         server = build_server(engine, tokenizer, name, args.host, port, args.api_key)
         engine.start()
         try:

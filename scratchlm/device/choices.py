@@ -184,6 +184,23 @@ def choose_compile(requested: bool, device: torch.device) -> Choice:
     return Choice(True, f"training.compile = true ({what})")
 
 
+def choose_decode(requested: bool, device: torch.device) -> Choice:
+    """Whether inference may compile its decode steps: where torch.compile can generate code and the user
+    did not turn it off. Whether a model's steps are then compiled is measured per shape, and whether a
+    generation is long enough to pay for compiling them is decided per call (`scratchlm.device.decode_timings`)."""
+    if not requested:
+        return Choice(False, "--no-compile: eager decode steps")
+    found, what = compiler_found(device)
+    if not found:
+        return Choice(False, f"eager decode steps: {what}")
+    graphs = " as CUDA graphs" if device.type == "cuda" else ""
+    return Choice(
+        True,
+        f"decode steps compiled{graphs} ({what}) where they measure faster and the tokens left pay for "
+        "compiling; eager otherwise",
+    )
+
+
 def choose_fused_loss(requested: str, device: torch.device) -> Choice:
     """`training.fused_loss` ("auto", "on", "off"): auto is on for a CUDA device, where memory is short."""
     if requested != "auto":

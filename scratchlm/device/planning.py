@@ -13,6 +13,8 @@ code that runs the model needs to know:
     peak_flops     what MFU divides by
     matvec         how inference runs a token times a weight matrix (its wide matrices held by columns, or
                    one-token steps without oneDNN): whichever way measured fastest here
+    decode         whether inference may compile its one-token decode steps (`scratchlm.generation.decode`),
+                   which it then does per model shape where they measured faster and pay for compiling
     for_inference  a model with its weights held in `dtype`, in eval mode, its stackable matrices stacked
 
 The plan holds facts and choices only; what applies them to a model (`for_inference`'s layout, the
@@ -31,6 +33,7 @@ from torch import nn
 from scratchlm.device.choices import (
     Choice,
     choose_compile,
+    choose_decode,
     choose_fused_loss,
     choose_matvec,
     choose_peak_flops,
@@ -52,6 +55,7 @@ class Plan:
     fused_loss: Choice  # bool
     peak_flops: Choice  # FLOP/s, or None where unknown
     matvec: Choice  # one of `MATVEC_WAYS`: how inference runs a token times a weight matrix
+    decode: Choice  # bool: compiled decode steps allowed (where they measure faster)
     warnings: tuple[str, ...] = ()
 
     @property
@@ -90,7 +94,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """What a run records and `scratchlm doctor --json` prints."""
-        choices = ("precision", "threads", "compile", "fused_loss", "peak_flops", "matvec")
+        choices = ("precision", "threads", "compile", "fused_loss", "peak_flops", "matvec", "decode")
         return {
             "device": self.device,
             "profile": self.profile.to_dict(),
@@ -108,10 +112,12 @@ def plan(
     peak_tflops: float = 0.0,
     option: str = "training.precision",
     refresh: bool = False,
+    compile_decode: bool = True,
 ) -> Plan:
     """The choices for running a model on `device` with these requests (a training config's, or a command's
     options; `option` names where the precision came from, in messages). `refresh` measures the device again
-    rather than reading its cached profile."""
+    rather than reading its cached profile; `compile_decode=False` (`--no-compile`) keeps inference's decode
+    steps eager."""
     threads_choice = choose_threads(threads) if device.type == "cpu" else Choice(None, "")
     # Measured with the threads that will run (a rate at 2 threads is not one at 1).
     previous = torch.get_num_threads()
@@ -135,5 +141,6 @@ def plan(
         choose_fused_loss(fused_loss, device),
         choose_peak_flops(profile, precision_choice.value, peak_tflops),
         choose_matvec(profile, precision_choice.value),
+        choose_decode(compile_decode, device),
         tuple(warnings),
     )

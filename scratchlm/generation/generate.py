@@ -32,6 +32,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.generation.decode import CompiledSwitch, Decoder
 from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.transformer import TransformerLM
 
@@ -94,6 +95,7 @@ def _generation_steps(
     stops: frozenset[int],
     generator: torch.Generator | None,
     use_cache: bool,
+    compile: bool | None = None,
 ) -> Iterator[tuple[Int[Tensor, " batch"], Tensor]]:
     """Yield `(next_tokens, active)` per step: the sampled ids and which rows were still generating."""
     if generator is None and options.seed is not None:
@@ -102,20 +104,34 @@ def _generation_steps(
     tokens = prompts
     active = torch.ones(prompts.shape[0], dtype=torch.bool, device=prompts.device)
     cache = model.new_kv_cache(prompts.shape[0]) if use_cache else None
-    for _ in range(options.max_new_tokens):
-        if cache is not None and tokens.shape[1] <= context_length:
-            # Prefill on the first step (every prompt token), then one new position per step.
-            logits = model(tokens[:, cache.length :], kv_cache=cache)
-        else:
-            cache = None  # the sequence outgrew the context: recompute on the sliding window from now on
-            logits = model(tokens[:, -context_length:])
-        next_tokens = options.sample(logits[:, -1], generator)
-        yield next_tokens, active.clone()
-        if stops:
-            active &= ~torch.isin(next_tokens, torch.tensor(sorted(stops), device=next_tokens.device))
-            if not active.any():
-                return
-        tokens = torch.cat([tokens, next_tokens.unsqueeze(1)], dim=1)
+    switch = CompiledSwitch(model, prompts.shape[0], compile) if use_cache else None
+    decoder: Decoder | None = None
+    try:
+        for step in range(options.max_new_tokens):
+            if tokens.shape[1] > context_length:
+                # The sequence outgrew the context: recompute on the sliding window from now on.
+                cache = decoder = None
+                logits = model(tokens[:, -context_length:])[:, -1]
+            elif decoder is not None:
+                logits = decoder.step(tokens[:, -1])
+            elif cache is not None:
+                # Prefill on the first step (every prompt token), then one new position per step.
+                logits = model(tokens[:, cache.length :], kv_cache=cache)[:, -1]
+                steps_left = min(options.max_new_tokens - step - 1, context_length - tokens.shape[1])
+                if switch is not None and (decoder := switch.decoder(cache, steps_left)) is not None:
+                    cache = None
+            else:
+                logits = model(tokens[:, -context_length:])[:, -1]
+            next_tokens = options.sample(logits, generator)
+            yield next_tokens, active.clone()
+            if stops:
+                active &= ~torch.isin(next_tokens, torch.tensor(sorted(stops), device=next_tokens.device))
+                if not active.any():
+                    break
+            tokens = torch.cat([tokens, next_tokens.unsqueeze(1)], dim=1)
+    finally:
+        if switch is not None:
+            switch.finish()
 
 
 def generate(
@@ -130,6 +146,7 @@ def generate(
     use_cache: bool = True,
     options: SamplingOptions | None = None,
     stop_ids: Collection[int] = (),
+    compile: bool | None = None,
 ) -> list[int] | list[list[int]]:
     """Generate up to `max_new_tokens` new token ids after `prompt_ids`; return only the new ids.
 
@@ -144,12 +161,17 @@ def generate(
     `options` gives the budget and sampling settings instead of `max_new_tokens`, `temperature`, `top_p` and
     `top_k`; its `seed` seeds a generator for the call, unless `generator` is given (one whose state carries
     on from an earlier call, as `scratchlm generate --num-samples` uses it).
+
+    `compile` runs the decode steps compiled (`scratchlm.generation.decode`): None (the default) where the
+    model's plan allows it (`Plan.for_inference`) and the tokens left pay for the compilation, True at once,
+    False never. The tokens are the same either way, up to floating-point rounding at a near-tie.
     """
     options = _sampling_options(max_new_tokens, temperature, top_p, top_k, options)
     prompts = _prepare(model, prompt_ids)
     outputs: list[list[int]] = [[] for _ in range(prompts.shape[0])]
     stops = stopping_ids(eos_id, stop_ids)
-    for next_tokens, active in _generation_steps(model, prompts, options, stops, generator, use_cache):
+    steps = _generation_steps(model, prompts, options, stops, generator, use_cache, compile)
+    for next_tokens, active in steps:
         for row, (token, is_active) in enumerate(zip(next_tokens.tolist(), active.tolist(), strict=True)):
             if is_active:
                 outputs[row].append(token)
@@ -164,7 +186,7 @@ def generate_stream(
     **keywords: Any,
 ) -> Iterator[int]:
     """Like `generate` for one prompt, with the same keywords (temperature, top_p, top_k, eos_id, generator,
-    use_cache, options, stop_ids), but yield each new token id as soon as it is sampled."""
+    use_cache, options, stop_ids, compile), but yield each new token id as soon as it is sampled."""
     for name in keywords:
         if name not in _DEFAULTS:
             raise ScratchlmError(
@@ -178,7 +200,9 @@ def generate_stream(
     if prompts.shape[0] != 1:
         raise ScratchlmError(f"generate_stream takes one prompt, got a batch of {prompts.shape[0]}")
     stops = stopping_ids(settings["eos_id"], settings["stop_ids"])
-    steps = _generation_steps(model, prompts, options, stops, settings["generator"], settings["use_cache"])
+    steps = _generation_steps(
+        model, prompts, options, stops, settings["generator"], settings["use_cache"], settings["compile"]
+    )
     for next_tokens, _ in steps:
         yield int(next_tokens[0])
 

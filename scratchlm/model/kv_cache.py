@@ -145,13 +145,18 @@ class PaddedKVCache:
             for _ in range(num_layers)
         ]
 
-    def store(self, row: int, cache: KVCache) -> None:
-        """Copy the one sequence of `cache` (batch size 1, as prefill leaves it) into `row`."""
-        if cache.batch_size != 1 or cache.length > self.window:
-            raise ScratchlmError(f"a row takes one sequence of at most {self.window} tokens; got {cache!r}")
+    def store(self, row: int, cache: KVCache, sequence: int = 0) -> None:
+        """Copy sequence `sequence` of `cache` (a prefill's: batch size 1, or a batch of prompts of one length)
+        into `row`."""
+        if not 0 <= sequence < cache.batch_size or cache.length > self.window:
+            raise ScratchlmError(
+                f"a row takes one sequence of at most {self.window} tokens; got sequence {sequence} of {cache!r}"
+            )
         for mine, theirs in zip(self.layers, cache.layers, strict=True):
-            mine.keys[row, :, : cache.length] = theirs.keys[0, :, : cache.length].to(mine.keys.dtype)
-            mine.values[row, :, : cache.length] = theirs.values[0, :, : cache.length].to(mine.values.dtype)
+            mine.keys[row, :, : cache.length] = theirs.keys[sequence, :, : cache.length].to(mine.keys.dtype)
+            mine.values[row, :, : cache.length] = theirs.values[sequence, :, : cache.length].to(
+                mine.values.dtype
+            )
         self.lengths[row] = cache.length
         self._layout = None
 
@@ -218,3 +223,65 @@ class PaddedLayerKVCache:
         """Row r's query is at position `lengths[r]` and sees keys `0 .. lengths[r]`."""
         _, positions, mask, _ = self.owner.layout()
         return positions[:, None, None], mask
+
+
+class WholeWindowKVCache:
+    """The first `rows` rows of `cache` for a compiled decode step (see the module docstring). Row r's new
+    token is written at `positions[r]` and its query sees keys `0 .. positions[r]`; the caller fills
+    `positions` before each step (`set_positions`) and counts the tokens itself, so `advance` does nothing.
+    Rows past the sequences in use (a batch rounded up to `rows`) compute on whatever they hold, and write
+    their keys and values at their own position in rows no sequence uses."""
+
+    def __init__(self, cache: PaddedKVCache, rows: int) -> None:
+        if not 1 <= rows <= cache.max_rows:
+            raise ScratchlmError(f"a whole-window view takes 1 to {cache.max_rows} rows, got {rows}")
+        self.window, self.batch_size = cache.window, rows
+        device = cache.layers[0].keys.device
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.key_index = torch.arange(self.window, device=device)
+        self.row_index = torch.arange(rows, device=device)
+        self.layers = [WholeWindowLayerKVCache(self, layer.keys, layer.values) for layer in cache.layers]
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor a step reads or writes in place: they keep their addresses (CUDA graphs replay on
+        them)."""
+        held = [t for layer in self.layers for t in (layer.keys, layer.values)]
+        return [*held, self.positions, self.key_index, self.row_index]
+
+    def set_positions(self, lengths: list[int]) -> None:
+        """Each row's length, the position of its next token (missing rows: 0)."""
+        padded = lengths + [0] * (self.batch_size - len(lengths))
+        self.positions.copy_(torch.tensor(padded), non_blocking=True)
+
+    def room(self) -> int:
+        return 1  # a step takes one token a row; the caller keeps each row within the window
+
+    def advance(self, num_new: int) -> None:
+        """Nothing: the caller counts the tokens (a step reads its positions, never changes them)."""
+
+    def __repr__(self) -> str:
+        return f"WholeWindowKVCache(layers={len(self.layers)}, window={self.window}, rows={self.batch_size})"
+
+
+class WholeWindowLayerKVCache:
+    """One layer of a `WholeWindowKVCache`: the whole `(max_rows, kv_heads, window, d_k)` tensors of the
+    `PaddedKVCache` it views, of which a step uses the first `rows`."""
+
+    def __init__(self, owner: WholeWindowKVCache, keys: Tensor, values: Tensor) -> None:
+        self.owner, self.keys, self.values = owner, keys, values
+
+    def append(
+        self,
+        keys: Float[Tensor, "rows kv_heads 1 d_k"],
+        values: Float[Tensor, "rows kv_heads 1 d_k"],
+    ) -> tuple[Float[Tensor, "rows kv_heads window d_k"], Float[Tensor, "rows kv_heads window d_k"]]:
+        rows, positions = self.owner.row_index, self.owner.positions
+        self.keys[rows, :, positions] = keys[:, :, 0].to(self.keys.dtype)
+        self.values[rows, :, positions] = values[:, :, 0].to(self.values.dtype)
+        n = self.owner.batch_size
+        return self.keys[:n], self.values[:n]
+
+    def attention_layout(self) -> tuple[Int[Tensor, "rows 1 1"], Bool[Tensor, "rows 1 1 window"]]:
+        positions = self.owner.positions
+        mask = self.owner.key_index <= positions[:, None]
+        return positions[:, None, None], mask[:, None, None, :]

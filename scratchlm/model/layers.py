@@ -73,7 +73,7 @@ class LinearStack:
 
     The stack is not a parameter, so it is used without autograd only; with gradients recorded (training) the
     `Linear`s run one by one. Once a weight no longer lies in the stack (moved by `.to()`, replaced), the
-    stack is let go and the `Linear`s run one by one too."""
+    stack is let go and the `Linear`s run one by one too, as they do in a compiled step."""
 
     def __init__(self, *linears: Linear) -> None:
         self.linears = linears
@@ -90,7 +90,9 @@ class LinearStack:
         self._addresses = [linear.weight.data_ptr() for linear in self.linears]
 
     def __call__(self, x: Float[Tensor, "... d_in"]) -> tuple[Float[Tensor, "... d_out"], ...]:
-        if self.weight is not None and not torch.is_grad_enabled():
+        # A compiled step (`scratchlm.generation.decode`) calls each matrix directly, with no Python between
+        # the calls: the stack saves nothing there, and its address check cannot be traced.
+        if self.weight is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             if [linear.weight.data_ptr() for linear in self.linears] == self._addresses:
                 return (x @ self.weight.T).split([linear.out_features for linear in self.linears], dim=-1)
             self.weight = None  # a weight has left the stack: free it

@@ -38,7 +38,13 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.attention import MultiHeadSelfAttention
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.ffn import feed_forward
-from scratchlm.model.kv_cache import KVCache, LayerKVCache, PaddedKVCache, decode_dtype
+from scratchlm.model.kv_cache import (
+    KVCache,
+    LayerKVCache,
+    PaddedKVCache,
+    WholeWindowKVCache,
+    decode_dtype,
+)
 from scratchlm.model.layers import Embedding, Linear, RMSNorm, at_least_float32
 from scratchlm.model.loss import fused_linear_cross_entropy
 from scratchlm.model.part import ConfigModule, Device, DType, handout_config
@@ -135,6 +141,8 @@ class TransformerLM(ConfigModule):
         # one token (a decode step at batch 1) then runs without oneDNN. oneDNN stays for everything else,
         # where it is the faster by far (4 tokens and more, it is 2-8x faster on that CPU).
         self.one_token_without_onednn = False
+        # Set by `Plan.for_inference`: generation may compile its decode steps (`scratchlm.generation.decode`).
+        self.compiled_decode = False
         if config.tie_embeddings:
             # One matrix for both ends. It takes the LM head's initialisation (std ≈ sqrt(2 / (vocab + d_model)))
             # rather than the embedding's N(0, 1): unit-variance rows would make the initial logits
@@ -165,7 +173,7 @@ class TransformerLM(ConfigModule):
     def forward(
         self,
         token_ids: Int[Tensor, "... seq"],
-        kv_cache: KVCache | PaddedKVCache | None = None,
+        kv_cache: KVCache | PaddedKVCache | WholeWindowKVCache | None = None,
         targets: Int[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
         """The logits; with `targets`, instead, the mean cross-entropy loss of predicting them, computed with
@@ -183,7 +191,7 @@ class TransformerLM(ConfigModule):
     def _forward(
         self,
         token_ids: Int[Tensor, "... seq"],
-        kv_cache: KVCache | PaddedKVCache | None,
+        kv_cache: KVCache | PaddedKVCache | WholeWindowKVCache | None,
         targets: Int[Tensor, "... seq"] | None,
     ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
         seq = token_ids.shape[-1]
@@ -229,6 +237,14 @@ class TransformerLM(ConfigModule):
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(at_least_float32(logits) / cap)
         return logits
+
+    def decode(
+        self, token_ids: Int[Tensor, "rows 1"], kv_cache: PaddedKVCache | WholeWindowKVCache
+    ) -> Float[Tensor, "rows vocab_size"]:
+        """One decode step: each row's newest token in, the logits of its next token out. What a compiled
+        step traces (`scratchlm.generation.decode`): the forward pass alone, without `forward`'s process-wide
+        switch of the one-token path (a compiled step does not run through oneDNN either way)."""
+        return self._forward(token_ids, kv_cache, None)[:, -1]
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """The parameters by the role they play, which optimizers give settings of their own

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 def prepare_for_inference(model: nn.Module, plan: Plan) -> nn.Module:
     """`model` in eval mode with its parameters held in `plan.dtype`, the matrices that read the same input
-    stacked into one (`LinearStack`), and `plan.matvec`'s way applied, in place; returned for chaining."""
+    stacked into one (`LinearStack`), `plan.matvec`'s way applied, and compiled decode steps allowed as
+    `plan.decode` says (`scratchlm.generation.decode`), in place; returned for chaining."""
     model.eval()
     for parameter in model.parameters():
         if parameter.is_floating_point() and parameter.dtype != plan.dtype:
@@ -30,4 +31,5 @@ def prepare_for_inference(model: nn.Module, plan: Plan) -> nn.Module:
     lay_out_for_inference(model, wide_by_columns=plan.matvec.value == "columns")
     if isinstance(model, TransformerLM):
         model.one_token_without_onednn = plan.matvec.value == "rows_no_onednn"
+        model.compiled_decode = bool(plan.decode.value)
     return model

@@ -15,7 +15,8 @@ Requests put sequences in a queue (`submit`); the scheduler thread loops over
 So a request joins the running batch at the next token and leaves it when it is done; a decode step costs a
 few times as much for 16 rows as for 1 on a CPU (the weights are read once per step either way; the TinyStories
 shape on one thread: about 25 ms against 9.4 ms), which is where the throughput of serving many clients comes
-from.
+from. The steps run through a `Decoder` (`scratchlm.generation.decode`): eager, or compiled at the batch sizes
+1, 2, 4, 8, 16 (the rows in use rounded up), each compiled by `warm_up` before the server takes requests.
 
 The scheduler talks to the asyncio side of the server through each sequence's `asyncio.Queue`, filled with
 `loop.call_soon_threadsafe`: `PromptLogprobs`, then one `Token` per sampled token, then `Finished` or
@@ -32,13 +33,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from scratchlm.device.decode_timings import record_timings
+from scratchlm.generation.decode import Decoder, bucket, model_timings_key
 from scratchlm.generation.generate import stopping_ids
 from scratchlm.generation.sampling import SamplingOptions, draw
 from scratchlm.model.transformer import TransformerLM
@@ -138,14 +141,17 @@ class Engine:
         max_batch: int = 16,
         max_queue: int = 64,
         stop_ids: Collection[int] = (),
+        compiled: bool = False,
     ):
         """`model` computes in the dtype its weights are held in (`Plan.for_inference`), and so do its caches.
-        A sequence ends at `eos_id` or any of `stop_ids` (a chat model's end of turn)."""
+        A sequence ends at `eos_id` or any of `stop_ids` (a chat model's end of turn). `compiled`: decode
+        steps compiled (call `warm_up` before `start`)."""
         self.model, self.eos_id = model, eos_id
         self.stop_ids = stopping_ids(eos_id, stop_ids)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
-        self.cache = model.new_padded_kv_cache(max_batch)
+        self.decoder = Decoder(model, max_batch, compiled)
+        self.cache = self.decoder.cache
         self.peak_batch = 0  # the most rows one step has run, since the start
         self._active: list[Sequence] = []  # row i of the cache is sequence i
         self._pending: deque[Sequence] = deque()
@@ -156,6 +162,24 @@ class Engine:
     def budget(self, prompt_tokens: int) -> int:
         """How many tokens can follow a prompt of `prompt_tokens` tokens within the context."""
         return max(0, self.model.config.context_length - prompt_tokens)
+
+    def buckets(self) -> list[int]:
+        """The batch sizes a compiled step runs at: 1, 2, 4, ... up to `max_batch`."""
+        return sorted({bucket(rows, self.max_batch) for rows in range(1, self.max_batch + 1)})
+
+    def warm_up(self, announce: Callable[[str], None] = lambda line: None) -> None:
+        """Compile the decode step at every bucket now, before any request waits for it, and time it against
+        the eager step: a bucket where compiling does not pay runs eagerly (nothing to do when not
+        `compiled`). The timings are recorded for this machine (`scratchlm doctor` shows them)."""
+        if not self.decoder.compiled:
+            return
+        self.decoder.announce = announce
+        with torch.inference_mode():
+            for rows in self.buckets():
+                timings = self.decoder.measure(rows)
+                record_timings(model_timings_key(self.model, rows), timings)
+                way = "eager" if rows in self.decoder.eager_buckets else "compiled"
+                announce(f"  {rows} sequence{'' if rows == 1 else 's'}: {way}; {timings.describe()}")
 
     def start(self) -> None:
         self._thread.start()
@@ -240,9 +264,8 @@ class Engine:
     def _step(self) -> None:
         self.cache.batch_size = len(self._active)
         self.peak_batch = max(self.peak_batch, len(self._active))
-        tokens = torch.tensor([[sequence.last_token] for sequence in self._active], device=self.device)
-        logits = self.model(tokens, kv_cache=self.cache)[:, -1]
-        self._sample(self._active, logits)
+        tokens = torch.tensor([sequence.last_token for sequence in self._active], device=self.device)
+        self._sample(self._active, self.decoder.step(tokens))
 
     def _sample(self, sequences: list[Sequence], logits: Float[Tensor, "batch vocab"]) -> None:
         """Draw each sequence's next token from its row of logits, report it, and mark the sequence done at

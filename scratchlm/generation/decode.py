@@ -1,0 +1,252 @@
+"""The one-token decode step, eager or compiled: where the time of generating goes.
+
+A decode step runs one new token a sequence through the model. Its arithmetic is a matrix-vector product per
+weight matrix, so the least it can cost is reading every weight once: on a small model (the TinyStories shape,
+22 M parameters) that is about 2 ms at 40 GB/s. Run eagerly it costs several times that, because the forward
+pass is some 400 small operations, and each is a Python call, a dispatch and a kernel launch that take longer
+than its arithmetic. The remedy is the gpt-fast recipe:
+
+1. Give every step the same shape. The rows (sequences) are padded up to a bucket (1, 2, 4, 8, 16, ...), the
+   keys and values live in a preallocated `PaddedKVCache` written in place, and every step attends over the
+   whole window under each row's mask (`WholeWindowKVCache`): nothing about a step depends on how long the
+   sequences are.
+2. Compile that step once per bucket with `torch.compile`: Inductor fuses the elementwise operations (RoPE,
+   RMSNorm, SwiGLU's gate, the softmax) into a few loops and calls the matrix products directly, so a step is
+   a handful of kernels with no Python between them. On a GPU the compiled step is also captured as a CUDA
+   graph (`mode="reduce-overhead"`) and replayed with one launch.
+
+Prefill (a prompt of any length) stays eager: it is one pass of many tokens, where the operations are large
+and their overhead does not count. Its keys and values are copied into the decoder's rows (`store`).
+
+    decoder = Decoder(model, max_rows=16, compiled=True)
+    decoder.cache.store(row, prefill_cache)           # a prompt prefilled eagerly, into row `row`
+    logits = decoder.step(tokens)                     # (rows, vocab); every row's length advances by one
+
+Compiled and eager steps compute the same function in a different order of floating-point operations: greedy
+tokens agree except where the two largest logits are within rounding of each other.
+
+Whether to compile is the device plan's choice (`Plan.decode`, from a measurement; `--no-compile` turns it
+off), and whether a given generation is long enough to pay for the compilation is `worth_compiling`'s: a
+compiled step is paid for once per process, model and bucket, so a short request never waits for it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from scratchlm.device.decode_timings import (
+    MIN_GAIN,
+    DecodeTimings,
+    measured_timings,
+    record_timings,
+    timings_key,
+    worth_compiling,
+)
+from scratchlm.model.kv_cache import KVCache, WholeWindowKVCache
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.precisions import DTYPE_NAMES
+
+WARMUP_STEPS = 4  # eager steps `generate` times before it decides whether compiling pays
+
+
+def bucket(rows: int, max_rows: int) -> int:
+    """The step shape `rows` sequences run at: the next power of two, at most `max_rows`."""
+    size = 1
+    while size < rows:
+        size *= 2
+    return min(size, max_rows)
+
+
+def _step(model: TransformerLM, cache: WholeWindowKVCache, tokens: Tensor) -> Tensor:
+    return model.decode(tokens, cache)
+
+
+class Decoder:
+    """Decode steps for up to `max_rows` sequences held in `cache` (a `PaddedKVCache`), eager or `compiled`.
+
+    Eager, a step runs on the rows in use and the keys of the longest row, as the serving engine always has.
+    Compiled, it runs at the bucket of the rows in use over the whole window; the first step of each bucket
+    compiles it (`compile_seconds` adds up the time), said through `announce` before and after, so a command
+    can show what it waits for."""
+
+    def __init__(
+        self,
+        model: TransformerLM,
+        max_rows: int,
+        compiled: bool,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model, self.max_rows, self.compiled = model, max_rows, compiled
+        self.cache = model.new_padded_kv_cache(max_rows)
+        self.announce = announce or (lambda line: None)
+        self.compile_seconds = 0.0
+        self.step_seconds: list[float] = []  # the compiled steps' times, compilations left out
+        self.eager_buckets: set[int] = set()  # sizes where the compiled step measured no faster (`measure`)
+        self._views: dict[int, WholeWindowKVCache] = {}
+        self._tokens: dict[int, Tensor] = {}
+        self._function: Callable | None = None
+        if compiled:
+            on_gpu = self.cache.layers[0].keys.is_cuda
+            # dynamic=False: a graph per bucket, each at fixed shapes. On a GPU, "reduce-overhead" records the
+            # step as a CUDA graph; the cache's tensors keep their addresses, so the graph writes to them.
+            self._function = torch.compile(
+                _step, dynamic=False, mode="reduce-overhead" if on_gpu else None, fullgraph=True
+            )
+
+    def _view(self, rows: int) -> WholeWindowKVCache:
+        view = self._views.get(rows)
+        if view is None:
+            view = self._views[rows] = WholeWindowKVCache(self.cache, rows)
+            self._tokens[rows] = torch.zeros(rows, 1, dtype=torch.long, device=view.positions.device)
+            for tensor in (*view.tensors(), self._tokens[rows]):
+                torch._dynamo.mark_static_address(tensor)
+        return view
+
+    def is_compiled_for(self, rows: int) -> bool:
+        """Whether a step of `rows` sequences runs without compiling first."""
+        size = bucket(rows, self.max_rows)
+        return not self.compiled or size in self._views or size in self.eager_buckets
+
+    def measure(self, rows: int, steps: int = 8) -> DecodeTimings:
+        """Compile the step for `rows` sequences (a server before its first request) and time it against the
+        eager step, `steps` steps each at half the window; the cache's rows are left as they were. Where the
+        compiled step measures less than `MIN_GAIN` times faster, steps of that size run eagerly from now on."""
+        size = bucket(rows, self.max_rows)
+        saved = [(layer.keys[:size].clone(), layer.values[:size].clone()) for layer in self.cache.layers]
+        lengths, in_use = list(self.cache.lengths), self.cache.batch_size
+        tokens = torch.zeros(size, dtype=torch.long, device=saved[0][0].device)
+
+        def timed(run: Callable[[], object]) -> float:
+            self.cache.lengths[:size] = [self.cache.window // 2] * size
+            start = time.perf_counter()
+            run()
+            if tokens.is_cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        self.eager_buckets.discard(size)
+        compile_s = timed(lambda: self.step(tokens)) if size not in self._views else self.compile_seconds
+        compiled = min(timed(lambda: self.step(tokens)) for _ in range(steps))
+        eager = min(timed(lambda: self._eager(tokens)) for _ in range(steps))
+        for layer, (keys, values) in zip(self.cache.layers, saved, strict=True):
+            layer.keys[:size], layer.values[:size] = keys, values
+        self.cache.lengths[:], self.cache.batch_size = lengths, in_use
+        timings = DecodeTimings(eager_ms=eager * 1e3, compiled_ms=compiled * 1e3, compile_s=compile_s)
+        if timings.speedup < MIN_GAIN:
+            self.eager_buckets.add(size)
+        return timings
+
+    def _eager(self, tokens: Int[Tensor, " rows"]) -> Float[Tensor, "rows vocab"]:
+        self.cache.batch_size = tokens.shape[0]
+        return self.model(tokens[:, None], kv_cache=self.cache)[:, -1]
+
+    def step(self, tokens: Int[Tensor, " rows"]) -> Float[Tensor, "rows vocab"]:
+        """Run each row's newest token (row r of the cache is sequence r); every row's length grows by one."""
+        rows = tokens.shape[0]
+        size = bucket(rows, self.max_rows)
+        if self._function is None or size in self.eager_buckets:
+            return self._eager(tokens)
+        self.cache.batch_size = rows
+        first = size not in self._views
+        view = self._view(size)
+        view.set_positions(self.cache.lengths[:rows])
+        padded = self._tokens[size]
+        padded[:rows, 0] = tokens
+        if first:
+            self.announce(f"compiling the decode step for {size} sequence{'' if size == 1 else 's'}…")
+        start = time.perf_counter()
+        # A copy: on a GPU the output lives in the CUDA graph's memory, which the next step overwrites.
+        logits = self._function(self.model, view, padded)[:rows].clone()
+        seconds = time.perf_counter() - start
+        if first:
+            self.compile_seconds += seconds
+            self.announce(f"compiled the decode step for {size} in {seconds:.1f} s")
+        else:
+            self.step_seconds.append(seconds)
+        self.cache.advance(1)
+        return logits
+
+
+def model_timings_key(model: TransformerLM, rows: int) -> str:
+    """The key of `model`'s decode timings at `rows` rows on its device and in its weights' precision."""
+    weight = model.lm_head.weight
+    precision = {dtype: name for name, dtype in DTYPE_NAMES.items()}.get(str(weight.dtype).split(".")[-1])
+    c = model.config
+    shape = (c.num_layers, c.d_model, c.num_heads, c.kv_heads, c.d_ff, c.vocab_size, c.context_length)
+    return timings_key(weight.device, precision or str(weight.dtype), shape, rows)
+
+
+# One compiled decoder per model and row count, for `generate`: a compilation is paid for once per process.
+_DECODERS: weakref.WeakKeyDictionary[TransformerLM, dict[int, Decoder]] = weakref.WeakKeyDictionary()
+
+
+def _announce(line: str) -> None:
+    from scratchlm.console import console
+
+    console.print(line, style="dim")
+
+
+class CompiledSwitch:
+    """When `generate` moves from eager steps to a compiled decoder, for one call of `rows` sequences.
+
+    `compile=None` follows the plan (`Plan.for_inference` sets `model.compiled_decode`): the first
+    `WARMUP_STEPS` steps run eagerly and are timed, then the call compiles only if the steps it has left save
+    more time than compiling costs (`worth_compiling`, from this machine's measured timings of the shape). A
+    decoder this process already compiled is used at once. `compile=True` compiles at the first step (a
+    benchmark, a caller about to generate a lot); `False` never compiles. `finish` records the timings the
+    call measured, eager and compiled, for the next decision."""
+
+    def __init__(self, model: TransformerLM, rows: int, compile: bool | None) -> None:
+        self.model, self.rows = model, rows
+        self.wanted = getattr(model, "compiled_decode", False) if compile is None else compile
+        self.forced = compile is True
+        self.eager_seconds: list[float] = []
+        self._last: float | None = None
+        self.used: Decoder | None = None
+
+    def decoder(self, cache: KVCache, steps_left: int) -> Decoder | None:
+        """After each eager step (the prefill first): the compiled decoder to go on with, `cache`'s sequences
+        copied into its rows, or None to stay eager."""
+        if not self.wanted or steps_left <= 0:
+            return None
+        now = time.perf_counter()
+        if self._last is not None:
+            self.eager_seconds.append(now - self._last)
+        self._last = now
+        decoders = _DECODERS.get(self.model, {})
+        ready = self.rows in decoders and decoders[self.rows].is_compiled_for(self.rows)
+        if not (ready or self.forced):
+            if len(self.eager_seconds) < WARMUP_STEPS:
+                return None
+            timings = measured_timings(model_timings_key(self.model, self.rows))
+            if not worth_compiling(timings, statistics.median(self.eager_seconds), steps_left):
+                self.wanted = False
+                return None
+        if self.rows not in decoders:
+            decoders = _DECODERS.setdefault(self.model, {})
+            decoders[self.rows] = Decoder(self.model, self.rows, compiled=True, announce=_announce)
+        decoder = self.used = decoders[self.rows]
+        for row in range(self.rows):
+            decoder.cache.store(row, cache, row)
+        return decoder
+
+    def finish(self) -> None:
+        """Record the timings of this call's eager and compiled steps, where it measured both."""
+        decoder = self.used
+        if decoder is None or len(self.eager_seconds) < WARMUP_STEPS or len(decoder.step_seconds) < 2:
+            return
+        key = model_timings_key(self.model, self.rows)
+        compile_s = decoder.compile_seconds or getattr(measured_timings(key), "compile_s", 0.0)
+        timings = DecodeTimings(
+            eager_ms=statistics.median(self.eager_seconds) * 1e3,
+            compiled_ms=statistics.median(decoder.step_seconds[-64:]) * 1e3,
+            compile_s=compile_s,
+        )
+        record_timings(key, timings)

@@ -1,0 +1,191 @@
+"""The decode step, eager and compiled (`scratchlm.generation.decode`): the whole-window layout against the
+padded cache, compiled tokens against eager ones, and when a generation compiles."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from scratchlm import ModelConfig, TransformerLM
+from scratchlm.device import choices as device_choices
+from scratchlm.device import decode_timings
+from scratchlm.device.decode_timings import ASSUMED, DecodeTimings, worth_compiling
+from scratchlm.device.planning import plan
+from scratchlm.generation import decode
+from scratchlm.generation.decode import Decoder, bucket
+from scratchlm.generation.generate import generate, generate_stream
+from scratchlm.model.kv_cache import WholeWindowKVCache
+
+SMALL = ModelConfig(
+    vocab_size=97, context_length=24, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48
+)
+
+
+def small_model(**changes) -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM.from_config(dataclasses.replace(SMALL, **changes)).eval()
+
+
+def prompts(rows: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, SMALL.vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Timings recorded by one test are not read by another."""
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_buckets_are_powers_of_two_up_to_the_rows():
+    assert [bucket(rows, 16) for rows in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    assert [bucket(rows, 6) for rows in (3, 5, 6)] == [4, 6, 6]
+
+
+@torch.no_grad()
+def test_the_whole_window_step_equals_the_padded_step_row_by_row():
+    """Rows of different lengths, a bucket larger than the rows in use: each row's logits are those of its
+    own sequence, whatever the padding rows and the stale keys past each row's length hold."""
+    model = small_model()
+    lengths = [3, 9, 5]
+    padded = model.new_padded_kv_cache(4)
+    whole = model.new_padded_kv_cache(4)
+    for cache in (padded, whole):
+        for layer in cache.layers:  # stale values past each row's length must not be read
+            layer.keys.normal_()
+            layer.values.normal_()
+    for row, length in enumerate(lengths):
+        prefill = model.new_kv_cache(1)
+        model(prompts(1, length, seed=row), kv_cache=prefill)
+        padded.store(row, prefill)
+        whole.store(row, prefill)
+    new = prompts(3, 1, seed=9)
+    padded.batch_size = 3
+    expected = model(new, kv_cache=padded)[:, -1]
+    view = WholeWindowKVCache(whole, 4)
+    view.set_positions(lengths)
+    got = model.decode(torch.cat([new, torch.zeros(1, 1, dtype=torch.long)]), view)[:3]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # The new keys were written at each row's length, as the padded cache writes them.
+    for mine, theirs in zip(whole.layers, padded.layers, strict=True):
+        for row, length in enumerate(lengths):
+            torch.testing.assert_close(mine.keys[row, :, : length + 1], theirs.keys[row, :, : length + 1])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_compiled_greedy_tokens_equal_eager_ones_in_fp32(rows):
+    model = small_model()
+    batch = prompts(rows, 4)
+    eager = generate(model, batch, 18, temperature=0, compile=False)
+    compiled = generate(model, batch, 18, temperature=0, compile=True)
+    assert compiled == eager
+    assert decode._DECODERS[model][rows].compile_seconds > 0  # it did compile
+    # Past the context the generation recomputes on the window, compiled decoder or not.
+    assert generate(model, batch, 30, temperature=0, compile=True) == generate(
+        model, batch, 30, temperature=0, compile=False
+    )
+
+
+def test_compiled_sampling_follows_the_seed_and_stops_at_eos():
+    model = small_model()
+    first = list(
+        generate_stream(model, [5, 6, 7], 15, temperature=0.9, top_p=0.9, options=None, compile=True)
+    )
+    again = generate(model, [5, 6, 7], 15, temperature=0.9, top_p=0.9, compile=True)
+    assert len(first) == 15 and len(again) == 15  # no seed: just that sampling runs through the decoder
+    seeded = [
+        generate(model, [5, 6, 7], 15, temperature=0.9, generator=torch.Generator().manual_seed(3), compile=c)
+        for c in (False, True)
+    ]
+    assert seeded[0] == seeded[1]
+    eos = seeded[0][4]
+    stopped = generate(
+        model,
+        [5, 6, 7],
+        15,
+        temperature=0.9,
+        eos_id=eos,
+        generator=torch.Generator().manual_seed(3),
+        compile=True,
+    )
+    assert stopped == seeded[0][: seeded[0].index(eos) + 1]
+
+
+def test_a_short_generation_never_compiles(monkeypatch):
+    """With the plan's consent (`compiled_decode`) but no measured timings, a few tokens are not worth a
+    compilation: it is never started."""
+    model = small_model()
+    model.compiled_decode = True
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    assert generate(model, [1, 2, 3], 20, temperature=0) == generate(
+        model, [1, 2, 3], 20, temperature=0, compile=False
+    )
+    assert model not in decode._DECODERS
+
+
+def test_worth_compiling_weighs_the_time_saved_against_compiling():
+    # Assumed: a 2x speed-up and 30 s to compile, so 60 s of eager steps must be left.
+    assert not worth_compiling(None, eager_step_s=0.01, steps_left=5_000)
+    assert worth_compiling(None, eager_step_s=0.01, steps_left=7_000)
+    measured = DecodeTimings(eager_ms=10.0, compiled_ms=2.5, compile_s=3.0)  # saves 7.5 ms a step
+    assert not worth_compiling(measured, eager_step_s=0.01, steps_left=300)  # 2.25 s < 3 s
+    assert worth_compiling(measured, eager_step_s=0.01, steps_left=500)  # 3.75 s > 3 s
+    slower = DecodeTimings(eager_ms=10.0, compiled_ms=9.5, compile_s=0.1)
+    assert not worth_compiling(slower, eager_step_s=0.01, steps_left=10**9)
+    assert ASSUMED.speedup == 2.0
+
+
+def test_a_measured_generation_records_its_timings_and_the_next_one_uses_them(monkeypatch):
+    model = small_model()
+    generate(small_model(), prompts(1, 3), 12, temperature=0, compile=True)  # at once: no eager steps timed
+    assert decode_timings.device_timings(torch.device("cpu")) == {}
+    # Told that compiling pays, a plan-driven generation switches after its warm-up steps and records.
+    model.compiled_decode = True
+    monkeypatch.setattr(decode, "worth_compiling", lambda *args: True)
+    assert generate(model, prompts(1, 3), 12, temperature=0) == generate(
+        model, prompts(1, 3), 12, temperature=0, compile=False
+    )
+    ((shape, timings),) = decode_timings.device_timings(torch.device("cpu")).items()
+    assert shape.startswith("fp32|2,32,4,2,48,97,24|rows=1")
+    assert timings.eager_ms > 0 and timings.compiled_ms > 0
+
+
+def test_the_server_measures_each_bucket_and_keeps_the_faster_way():
+    model = small_model()
+    decoder = Decoder(model, 4, compiled=True)
+    decoder.cache.store(0, _prefilled(model, 5))
+    before = decoder.cache.layers[0].keys.clone()
+    timings = decoder.measure(2)
+    assert timings.compile_s > 0 and timings.eager_ms > 0 and timings.compiled_ms > 0
+    assert decoder.cache.lengths[0] == 5 and torch.equal(decoder.cache.layers[0].keys, before)
+    assert decoder.is_compiled_for(2) and not decoder.is_compiled_for(3)
+    assert (2 in decoder.eager_buckets) == (timings.speedup < decode_timings.MIN_GAIN)
+
+
+def _prefilled(model: TransformerLM, length: int):
+    cache = model.new_kv_cache(1)
+    with torch.no_grad():
+        model(prompts(1, length), kv_cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_the_plan_allows_compiled_decode_only_with_a_compiler_and_without_no_compile(monkeypatch, found):
+    monkeypatch.setattr(device_choices, "compiler_found", lambda device: (found, "mocked"))
+    choices = plan(torch.device("cpu"), "fp32")
+    assert choices.decode.value is found
+    assert ("compiled" in choices.decode.reason) is found
+    assert plan(torch.device("cpu"), "fp32", compile_decode=False).decode.value is False
+    model = small_model()
+    choices.for_inference(model)
+    assert model.compiled_decode is found
+    assert choices.to_dict()["decode"]["value"] is found
+
+
+def test_a_cuda_plan_compiles_as_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(device_choices, "compiler_found", lambda device: (True, "Triton 3"))
+    choice = device_choices.choose_decode(True, torch.device("cuda"))
+    assert choice.value and "CUDA graphs" in choice.reason
