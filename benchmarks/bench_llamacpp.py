@@ -8,7 +8,9 @@ decodes `--tokens` tokens after a 4-token prompt, batch 1, best of `--repeats`, 
 is, and is printed apart). Rows:
 
 - greedy and sampled (temperature 0.8, top-p 0.9), at 1 and 2 threads, fp32 / f32 and bf16 / f16 (bf16 only
-  where the CPU computes it natively: elsewhere PyTorch emulates it ~100x slower, and `auto` never picks it);
+  where the CPU computes it natively: elsewhere PyTorch emulates it ~100x slower, and `auto` never picks it).
+  Random weights give a flat next-token distribution, whose top-p nucleus is most of the vocabulary: the
+  sampler's worst case on both sides (a trained model's nucleus is a few dozen tokens);
 - scratchlm eager (`compile=False`) and compiled (`compile=True`, `scratchlm.generation.decode`);
 - each row's bytes of weights a token reads, times tokens/s, over the memory bandwidth `scratchlm doctor`
   measures: how close to the memory-bound limit it decodes;
@@ -167,9 +169,12 @@ def main() -> None:
                     "bf16 / f16 rows skipped: no native bf16 on this CPU (PyTorch emulates it; auto = fp32)"
                 )
                 continue
-            model = TransformerLM.from_config(config).eval()
-            model.load_state_dict(base.state_dict())
-            plan(cpu, precision).for_inference(model)
+            # Two copies: a compiled decoder lays its model's weights out by rows (`scratchlm.generation.decode`),
+            # and the eager one keeps the layout the plan measured fastest for an eager step.
+            eager_model, model = (TransformerLM.from_config(config).eval() for _ in range(2))
+            for copy in (eager_model, model):
+                copy.load_state_dict(base.state_dict())
+                plan(cpu, precision).for_inference(copy)
             path = Path(tmp) / f"model-{ggml}.gguf"
             write_gguf(base, tokenizer, path, ggml, "bench")
             bytes_per_token = weight_bytes_per_token(model)

@@ -225,3 +225,5 @@ def test_llama_cpp_tokenizes_and_generates_as_scratchlm(tmp_path, capsys, dtype)
         if len(theirs) == 32:
             break
     assert theirs == ours and len(set(ours)) > 8  # not a constant or short loop a broken model might emit
+    # The compiled decode step (`scratchlm.generation.decode`) gives the same tokens.
+    assert generate(reference, prompt, 32, temperature=0.0, compile=True) == ours

@@ -50,6 +50,7 @@ from scratchlm.device.decode_timings import (
     worth_compiling,
 )
 from scratchlm.model.kv_cache import KVCache, WholeWindowKVCache
+from scratchlm.model.layers import lay_out_for_inference
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.precisions import DTYPE_NAMES
 
@@ -92,6 +93,11 @@ class Decoder:
         self._views: dict[int, WholeWindowKVCache] = {}
         self._tokens: dict[int, Tensor] = {}
         self._function: Callable | None = None
+        if compiled and not self.cache.layers[0].keys.is_cuda:
+            # The compiled step's matrix-vector loops read each weight row by row (`Linear.forward`): the
+            # wide matrices, held by columns for the eager one-token product where that measured faster
+            # (`Plan.matvec`), are laid out by rows again, in place.
+            lay_out_for_inference(model, wide_by_columns=False)
         if compiled:
             on_gpu = self.cache.layers[0].keys.is_cuda
             # dynamic=False: a graph per bucket, each at fixed shapes. On a GPU, "reduce-overhead" records the
