@@ -14,12 +14,12 @@ import torch
 from helpers import assert_same_state
 
 from scratchlm import AdamW, cross_entropy, train
+from scratchlm.data import tokens as tokens_module
 from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import Checkpoint, RunSummary, StopReason
 from scratchlm.training import schedule
-from scratchlm.training import step as step_module
 from scratchlm.training.config import TrainConfig
 
 VOCAB = 64
@@ -195,11 +195,11 @@ def test_an_abort_mid_step_keeps_the_last_completed_step(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return cross_entropy(logits, targets, ignore_index)
 
-    monkeypatch.setattr(step_module, "cross_entropy", loss_then_abort)
+    monkeypatch.setattr(tokens_module, "cross_entropy", loss_then_abort)
     with pytest.raises(KeyboardInterrupt):
         train(small_config(tmp_path, "aborted", eval={"interval": 0, "iters": 2}))
     assert (tmp_path / "aborted" / "checkpoints" / "step_00000009.pt").exists()
-    monkeypatch.setattr(step_module, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(tokens_module, "cross_entropy", cross_entropy)
     train(small_config(tmp_path, "aborted", eval={"interval": 0, "iters": 2}), resume=True)
     assert_same_state(final_state(tmp_path / "straight"), final_state(tmp_path / "aborted"))
 
@@ -212,7 +212,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
         loss = cross_entropy(logits, targets, ignore_index)
         return loss * float("nan") if calls["n"] >= 6 else loss
 
-    monkeypatch.setattr(step_module, "cross_entropy", loss_that_turns_nan)
+    monkeypatch.setattr(tokens_module, "cross_entropy", loss_that_turns_nan)
     config = small_config(
         tmp_path,
         eval={"interval": 0, "iters": 2},

@@ -23,17 +23,18 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from scratchlm.chat.template import ChatTemplate, Message, check_messages
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.loss import IGNORE
+from scratchlm.model.loss import IGNORE, cross_entropy
 
 
 def read_conversations(path: str | os.PathLike) -> list[list[Message]]:
@@ -142,10 +143,9 @@ def _cut(ids: list[int], counted: list[bool], end: int, limit: int) -> tuple[lis
 
 
 class ConversationBatches:
-    """Fine-tuning batches: conversations drawn uniformly with replacement, one a row (the counterpart of
-    `scratchlm.data.tokens.TokenWindows`)."""
-
-    ignore_index = IGNORE
+    """Fine-tuning batches: conversations drawn uniformly with replacement, one a row, the loss the
+    cross-entropy of the assistant's tokens (the counterpart of `scratchlm.data.tokens.TokenWindows`; both are
+    `scratchlm.training.stage.Examples`)."""
 
     def __init__(self, encoded: Encoded) -> None:
         self.encoded = encoded
@@ -159,7 +159,7 @@ class ConversationBatches:
     def __len__(self) -> int:
         return len(self.encoded)
 
-    def draw(self, batch_size: int, generator: np.random.Generator) -> np.ndarray:
+    def draw(self, batch_size: int, generator: np.random.Generator, policy: object = None) -> np.ndarray:
         return generator.integers(0, len(self.encoded), size=batch_size)
 
     def counted(self, indices: np.ndarray) -> int:
@@ -179,6 +179,14 @@ class ConversationBatches:
             inputs[r, : len(ids) - 1] = ids[:-1]
             targets[r, : len(ids) - 1] = np.where(counted[1:], ids[1:], IGNORE)
         return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)
+
+    def loss(
+        self, indices: np.ndarray, model: Callable[..., Tensor], device: torch.device, fused: bool
+    ) -> Float[Tensor, ""]:
+        """The mean cross-entropy of the counted targets of the rows `indices` (never `fused`: the fused loss
+        counts every target)."""
+        inputs, targets = self.gather(indices, device)
+        return cross_entropy(model(inputs), targets, IGNORE)
 
     def validation_batches(self, iters: int, batch_size: int, seed: int) -> list[np.ndarray]:
         """The first `iters × batch_size` conversations (all, when there are fewer), in order, `batch_size` at

@@ -2,7 +2,8 @@
 
 A session is made of components, each built by a function of the config before the loop starts:
 
-    the data            `load_training_data`, checked before the run directory is claimed   (inputs.py)
+    the data            `load_training_data`: the stage's, checked before the run directory is claimed
+                                                                                             (stage.py)
     the model           `build_model`, its weights drawn from `training.seed`
     the optimizer       `build_optimizer`, over the parameter groups the model declares     (optimizers.py)
     the starting point  `restore` (resume) or `start_from_weights` (`training.init_from`), with the time
@@ -46,11 +47,11 @@ from scratchlm.run.sharded import save_sharded
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.training.config import TrainConfig, TrainingConfig
 from scratchlm.training.distributed import Distributed, all_reduce, init_distributed, shutdown_distributed
-from scratchlm.training.inputs import TrainingData, load_training_data
 from scratchlm.training.loss_scale import LossScaler
 from scratchlm.training.optimizers import build_optimizer
 from scratchlm.training.report import Interval, Reporter, how_to_resume
 from scratchlm.training.signals import StopRequest
+from scratchlm.training.stage import TrainingData, load_training_data
 from scratchlm.training.start import Progress, restore, start_from_weights
 from scratchlm.training.step import TrainStep
 
