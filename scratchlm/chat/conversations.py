@@ -39,15 +39,26 @@ from scratchlm.model.loss import IGNORE, cross_entropy
 
 def read_conversations(path: str | os.PathLike) -> list[list[Message]]:
     """The conversations of a JSONL file, each line checked; blank lines are skipped."""
+    conversations = []
+    for where, _, messages in read_message_lines(path, "conversation"):
+        if not any(m.role == "assistant" for m in messages):
+            raise ScratchlmError(f"{where}: the conversation has no assistant turn, so nothing to learn from")
+        conversations.append(messages)
+    return conversations
+
+
+def read_message_lines(path: str | os.PathLike, what: str) -> list[tuple[str, dict, list[Message]]]:
+    """Each non-blank line of a JSONL file of `what`s (conversations, prompts) as its `file:line`, its JSON
+    object and its checked `messages`; a line that is not such an object is a one-line error naming it."""
     path = Path(path)
     if not path.is_file():
-        raise ScratchlmError(f"conversation file {path} not found")
-    conversations = []
+        raise ScratchlmError(f"{what} file {path} not found")
     with open(path, encoding="utf-8", errors="strict") as f:
         try:
             lines = list(f)
         except UnicodeDecodeError as e:
             raise ScratchlmError(f"{path}: not valid UTF-8 at byte {e.start}") from None
+    found = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -64,12 +75,10 @@ def read_conversations(path: str | os.PathLike) -> list[list[Message]]:
             messages = check_messages(record["messages"])
         except ScratchlmError as e:
             raise ScratchlmError(f"{where}: {e}") from None
-        if not any(m.role == "assistant" for m in messages):
-            raise ScratchlmError(f"{where}: the conversation has no assistant turn, so nothing to learn from")
-        conversations.append(messages)
-    if not conversations:
-        raise ScratchlmError(f"{path} holds no conversations")
-    return conversations
+        found.append((where, record, messages))
+    if not found:
+        raise ScratchlmError(f"{path} holds no {what}s")
+    return found
 
 
 def write_conversations(path: str | os.PathLike, conversations: list[list[Message]]) -> None:
@@ -155,6 +164,7 @@ class ConversationBatches:
         self.counts = np.add.reduceat(counted, encoded.offsets[:-1]).astype(np.int64)
         # The inputs of a row on average (padding aside): what tokens/s counts for a fine-tuning run.
         self.tokens_per_row = float(np.diff(encoded.offsets).mean()) - 1
+        self.passes = 1  # one optimizer step a batch
 
     def __len__(self) -> int:
         return len(self.encoded)

@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -74,6 +74,8 @@ class SFTConfig:
 
 VALID_SPLIT_SEED = 0  # the held-out conversations of a file without a valid file: the same ones every time
 
+T = TypeVar("T")
+
 
 def sft_config(
     path: str | os.PathLike | None = None,
@@ -108,6 +110,20 @@ def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str]]:
     return trained.model.config, tokenizer, added
 
 
+def held_out_split(items: list[T], fraction: float, one: str) -> tuple[list[T], list[T]]:
+    """`items` split into those kept for training and `fraction` of them (at least one) held out for
+    validation, the same ones every time (`VALID_SPLIT_SEED`); `one` names a single item, which cannot be
+    split."""
+    if len(items) < 2:
+        raise ScratchlmError(f"{one} cannot be split into training and validation")
+    order = np.random.default_rng(VALID_SPLIT_SEED).permutation(len(items))
+    held_out = set(order[: max(1, math.ceil(len(items) * fraction))].tolist())
+    return (
+        [item for i, item in enumerate(items) if i not in held_out],
+        [item for i, item in enumerate(items) if i in held_out],
+    )
+
+
 def load_conversations(config: TrainConfig, run_dir: RunDirectory) -> TrainingData:
     """The training and held-out conversations of `[sft]`, encoded with the chat template, and the tokenizer
     that carries it, which a resumed run must not have changed. Conversations cut or skipped for their length
@@ -117,12 +133,7 @@ def load_conversations(config: TrainConfig, run_dir: RunDirectory) -> TrainingDa
     if s.valid:
         valid = read_conversations(s.valid)
     else:
-        if len(train) < 2:
-            raise ScratchlmError(f"{s.train}: one conversation cannot be split into training and validation")
-        order = np.random.default_rng(VALID_SPLIT_SEED).permutation(len(train))
-        held_out = set(order[: max(1, math.ceil(len(train) * s.valid_fraction))].tolist())
-        valid = [c for i, c in enumerate(train) if i in held_out]
-        train = [c for i, c in enumerate(train) if i not in held_out]
+        train, valid = held_out_split(train, s.valid_fraction, f"{s.train}: one conversation")
     _, tokenizer, added = _base(s.base)
     if added:
         console.print(f"the base's tokenizer lacks {', '.join(added)}: added for the chat template")

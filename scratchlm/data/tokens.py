@@ -81,6 +81,7 @@ class TokenWindows:
     def __init__(self, tokens: np.ndarray, context_length: int) -> None:
         self.tokens, self.context_length = tokens, context_length
         self.tokens_per_row = context_length  # the inputs of a row
+        self.passes = 1  # one optimizer step a batch
 
     def __len__(self) -> int:
         return len(self.tokens)

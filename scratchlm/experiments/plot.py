@@ -33,7 +33,7 @@ def loss_curves(records: list[Record]) -> dict[str, dict[str, list[float]]]:
     """`{"train": {"step", "time", "loss"}, "val": {...}}` from metrics records, all points, file order."""
     curves: dict[str, dict[str, list[float]]] = {}
     for name, (kind, field) in CURVES.items():
-        points = [r for r in records if isinstance(r, kind)]
+        points = [r for r in records if isinstance(r, kind) and getattr(r, field) is not None]
         curves[name] = {
             "step": [float(r.step) for r in points],
             "time": [float(r.time) for r in points],

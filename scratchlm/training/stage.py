@@ -39,6 +39,7 @@ class Examples(Protocol):
     """A stage's training or validation examples, drawn a batch of rows at a time."""
 
     tokens_per_row: float  # the inputs a row holds (on average): what tokens/s counts
+    passes: int  # optimizer steps a drawn batch takes (1; reinforcement learning's epochs_per_batch)
 
     def draw(self, batch_size: int, generator: np.random.Generator, policy: Callable[..., Tensor]) -> Any:
         """The rows of one step, drawn with `generator` (whose state the checkpoints keep), indexable by a
@@ -75,12 +76,18 @@ class TrainingData:
 class Stage:
     """A registered stage: its config section's name and dataclass, how it loads its data, and whether its
     model may grow its vocabulary from `training.init_from`'s (fine-tuning adds the chat template's tokens,
-    whose rows start as the mean of the others)."""
+    whose rows start as the mean of the others).
+
+    Two hooks let a stage measure what a loss does not say: `evaluate(valid, model)`, the `EvalRecord` fields
+    of a validation (None: the loss of the validation batches, `val_loss`), and `train_metrics(train)`, the
+    `TrainRecord` fields of the steps since the last log record (None: none)."""
 
     section: str
     config: type
     load: Callable[[Any, RunDirectory], TrainingData]
     grows_vocabulary: bool = False
+    evaluate: Callable[[Any, Any], dict[str, float]] | None = None
+    train_metrics: Callable[[Any], dict[str, float]] | None = None
 
 
 STAGES: dict[str, Stage] = {}

@@ -8,6 +8,7 @@ At step number t (1-based):
     for each of the `grad_accum` micro-batches:  loss = the stage's loss of its rows × their share of the
         batch's counted targets (1 / grad_accum for windows);  backward
     clip the gradients to norm `grad_clip`;  optimizer step;  zero the gradients
+    (a stage whose batch takes several optimizer steps, `Examples.passes`, repeats the last three lines on it)
 
 Every process draws the same window positions from the same generator and keeps its own slice, so the data a
 step sees does not depend on how many processes share it: two processes give the same run as one with the
@@ -76,22 +77,36 @@ class TrainStep:
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The gradients of step `step` (1-based) at the schedule's rate; returns the (device-resident) mean
         loss, the gradient norm before clipping, and whether the update may be applied (fp16 skips a step
-        whose gradients overflowed)."""
+        whose gradients overflowed, and a batch whose rows count no target teaches nothing)."""
         t = self.config.training
         lr = budget.schedule(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_scale"]
-        drawn = batches.draw(t.batch_size, generator, self.forward_model)
+        with self.autocast:  # a stage that samples its rows scores them as its loss will
+            drawn = batches.draw(t.batch_size, generator, self.model)
+        self.pending = (step, batches, drawn, run)
+        return self._backward()
+
+    def _backward(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The gradients of the drawn batch (`gradients`), clipped."""
+        step, batches, drawn, run = self.pending
+        t = self.config.training
         per_process = t.batch_size // self.dist.world_size
         mine = drawn[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
         # The loss is the mean over every counted target of the global batch: each micro-batch's mean is
         # weighted by its share of them (1 / grad_accum for windows, where every target counts), times the
-        # processes, whose gradients DDP (or FSDP) averages.
+        # processes, whose gradients DDP (or FSDP) averages. Rows that count nothing (the replies of a group
+        # that teaches nothing) are skipped, which only a stage that runs in one process has.
         total = batches.counted(drawn)
         loss_sum = torch.zeros((), device=self.device)
+        if not total:
+            return loss_sum, torch.zeros((), device=self.device), False
         for k in range(t.grad_accum):
             batch = mine[k * self.micro_batch : (k + 1) * self.micro_batch]
-            divisor = total / (batches.counted(batch) * self.dist.world_size)
+            counted = batches.counted(batch)
+            if not counted:
+                continue
+            divisor = total / (counted * self.dist.world_size)
             with self.execution.gradient_sync(last=k == t.grad_accum - 1):
                 with self.autocast:
                     loss = batches.loss(batch, self.train_model, self.device, self.fused_loss) / divisor
@@ -106,9 +121,16 @@ class TrainStep:
         return loss_sum, grad_norm, applied
 
     def update(self, applied: bool) -> None:
+        """Apply the gradients of `gradients` (if `applied`), then take the batch's further passes, each
+        gradients and update (reinforcement learning's `rl.epochs_per_batch`)."""
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for _ in range(1, self.pending[1].passes):
+            _, _, applied = self._backward()
+            if applied:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def checkpoint(
         self, step: int, data_rng: dict[str, Any], elapsed_s: float, budget: TimeBudget, whole: bool = True
