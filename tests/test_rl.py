@@ -233,3 +233,21 @@ def test_the_command_names_a_failing_reward_or_a_bad_prompt_in_one_line(base_and
     with pytest.raises(ScratchlmError, match=f'{bad}:1: no "answer" string'):
         read_prompts(bad)
     assert not (tmp_path / "b").exists()  # refused before the run directory is claimed
+
+
+def test_the_quickstart_goes_on_to_reinforcement_learning(tmp_path):
+    """`quickstart --chat --rl` (small): the chat model trained by RL on the same tasks, and the base, chat and
+    RL models scored on the same held-out conversations."""
+    from scratchlm.quickstart import quickstart
+
+    with pytest.raises(ScratchlmError, match="add --chat"):
+        quickstart(tmp_path / "refused", small=True, device="cpu", rl_minutes=1)
+    out = tmp_path / "qs"
+    result = quickstart(out, minutes=1, small=True, device="cpu", chat_minutes=1, rl_minutes=1)
+    chat = result.chat
+    assert chat is not None and chat.rl_steps == 4 and chat.rl_run_dir == str(out / "rl-run")
+    assert 0 <= chat.exact_match_rl <= 1 and np.isfinite(chat.loss_rl)
+    assert chat_template(load_trained(out / "rl-run").tokenizer) is not None
+    assert records(out / "rl-run", "val_pass1")  # the held-out prompts were evaluated
+    recorded = json.loads((out / "quickstart.json").read_text())["chat"]
+    assert recorded["exact_match_rl"] == chat.exact_match_rl

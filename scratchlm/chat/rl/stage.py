@@ -94,7 +94,7 @@ class RLConfig:
             raise ScratchlmError(
                 f"{source}: rl.valid_fraction must lie in (0, 1), got {self.valid_fraction!r}"
             )
-        for key in ("group_size", "max_reply_tokens", "epochs_per_batch"):
+        for key in ("max_reply_tokens", "epochs_per_batch"):
             if getattr(self, key) < 1:
                 raise ScratchlmError(f"{source}: rl.{key} must be at least 1, got {getattr(self, key)!r}")
         if self.group_size < 2:
@@ -211,16 +211,19 @@ class PromptSet:
         context_length: int,
         evaluated: int,
     ) -> None:
-        """`evaluated`: how many of the prompts (the first) a validation decodes."""
-        self.prompts, self.template, self.tokenizer, self.settings = prompts, template, tokenizer, settings
-        self.reward, self.evaluated = reward, min(evaluated, len(prompts))
-        self.ids = [template.encode(p.messages) for p in prompts]
-        for prompt, ids in zip(prompts, self.ids, strict=True):
-            if len(ids) >= context_length:
-                raise ScratchlmError(
-                    f"{prompt.where}: the prompt is {len(ids)} tokens, which leaves no room for a reply in the "
-                    f"context of {context_length}"
-                )
+        """`evaluated`: how many of the prompts (the first) a validation decodes. A prompt that leaves no room
+        for a reply in the context is skipped (`skipped` counts them)."""
+        encoded = [(prompt, template.encode(prompt.messages)) for prompt in prompts]
+        kept = [(prompt, ids) for prompt, ids in encoded if len(ids) < context_length]
+        if not kept:
+            raise ScratchlmError(
+                f"{prompts[0].where}: every prompt of the file is at least the context ({context_length} tokens) "
+                "long, which leaves no room for a reply"
+            )
+        self.prompts, self.ids = [prompt for prompt, _ in kept], [ids for _, ids in kept]
+        self.skipped = len(prompts) - len(kept)
+        self.template, self.tokenizer, self.settings = template, tokenizer, settings
+        self.reward, self.evaluated = reward, min(evaluated, len(self.prompts))
         self.tokens_per_row = float(np.mean([len(ids) for ids in self.ids])) + settings.max_reply_tokens
         self.passes = settings.epochs_per_batch
         self.reference: TransformerLM | None = None  # the starting model, for the KL penalty (loaded once)
@@ -354,9 +357,13 @@ def load_prompts(config: TrainConfig, run_dir: RunDirectory) -> TrainingData:
     context = config.model.context_length
     sets = [PromptSet(p, template, tokenizer, s, reward, context, evaluated) for p in (train, valid)]
     console.print(
-        f"{len(train):,} training prompts, {len(valid):,} held out ({sets[1].evaluated:,} evaluated); "
+        f"{len(sets[0]):,} training prompts, {len(sets[1]):,} held out ({sets[1].evaluated:,} evaluated); "
         f"{s.group_size} replies to each, reward {s.reward}"
     )
+    if skipped := sets[0].skipped + sets[1].skipped:
+        console.print(
+            f"{skipped:,} prompts skipped: they leave no room for a reply in the context ({context} tokens)"
+        )
     check_run_tokenizer(tokenizer, f"the tokenizer of rl.base {s.base}", run_dir)
     return TrainingData(sets[0], sets[1], tokenizer)
 
