@@ -11,6 +11,7 @@ import torch
 from scratchlm.chat.rl.objective import (
     group_advantages,
     policy_loss,
+    teaching_mean,
     token_entropy,
     token_logprobs,
     uniform_groups,
@@ -64,6 +65,21 @@ def test_the_kl_term_is_k3_to_the_reference_weighted_by_its_coefficient():
     assert with_kl.kl[0, 1] == 0  # the same policy: no divergence
     expected = (-1.2 + 0.1 * 0.072132 - 1.0) / 2
     torch.testing.assert_close(with_kl.per_row[0], torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_the_kl_is_measured_without_a_weight_and_changes_nothing_then():
+    measured = loss("sequence", ref_logprobs=torch.zeros(2, 3))
+    torch.testing.assert_close(measured.kl[0, 0], torch.tensor(0.072132), atol=1e-6, rtol=0)
+    assert torch.equal(measured.per_row, loss("sequence").per_row)
+
+
+def test_the_rows_of_a_uniform_group_are_left_out_of_the_mean_and_get_no_gradient():
+    per_row = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    counted = torch.tensor([True, True, False, False])  # the second group's rewards were all equal
+    mean = teaching_mean(per_row, counted)
+    assert mean.item() == 1.5  # (1 + 2) / 2, not (1 + 2) / 4
+    mean.backward()
+    assert per_row.grad.tolist() == [0.5, 0.5, 0.0, 0.0]
 
 
 def test_at_the_sampling_policy_the_gradient_is_the_policy_gradient_on_reply_tokens_only():

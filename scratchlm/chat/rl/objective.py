@@ -110,7 +110,7 @@ def policy_loss(
     trained, `old_logprobs` under the one that sampled, `ref_logprobs` under the starting model (needed when
     `kl_coef` > 0), each at the row's target tokens; `mask` marks the reply's tokens, the only ones counted.
     `length_norm` divides each row's sum by its reply's length ("sequence") or by `max_reply_tokens`
-    ("constant")."""
+    ("constant"). With `ref_logprobs` the KL estimate is measured, and added to the loss with `kl_coef`."""
     ratio = torch.exp(logprobs - old_logprobs)
     advantage = advantages[:, None]
     unclipped = ratio * advantage
@@ -121,8 +121,15 @@ def policy_loss(
     if ref_logprobs is not None:
         log_ref_ratio = ref_logprobs - logprobs
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-        per_token = per_token + kl_coef * kl
+        if kl_coef:  # else measured only
+            per_token = per_token + kl_coef * kl
     total = (per_token * mask).sum(dim=-1)
     length = mask.sum(dim=-1).clamp(min=1) if length_norm == "sequence" else max_reply_tokens
     per_row = total / length
     return PolicyLoss(per_row, ratio.detach(), clipped & mask, kl.detach())
+
+
+def teaching_mean(per_row: Float[Tensor, " rows"], counted: Bool[Tensor, " rows"]) -> Float[Tensor, ""]:
+    """The mean of the rows' losses over the `counted` rows, those of groups whose rewards differ: the rows of a
+    uniform group neither add to the loss nor dilute its mean, and get no gradient."""
+    return torch.where(counted, per_row, 0.0).sum() / counted.sum()

@@ -4,7 +4,8 @@ loop underneath.
     chat run (sft, or any run whose tokenizer carries a chat template) + prompts with answers (JSONL)
       -> each step: `training.batch_size / rl.group_size` prompts drawn, `rl.group_size` replies sampled to
          each by the serving engine (`rollouts`), each scored by the reward (`rewards`)
-      -> the replies' tokens under the sampling policy (and, with `rl.kl_coef`, the starting model)
+      -> the replies' tokens under the sampling policy and the starting model (the KL, penalised with
+         `rl.kl_coef`)
       -> `rl.epochs_per_batch` optimizer steps on the clipped policy-gradient loss (`objective`), the rows of
          groups whose rewards were all equal left out
 
@@ -33,6 +34,7 @@ from scratchlm.chat.rl.objective import (
     LengthNorm,
     group_advantages,
     policy_loss,
+    teaching_mean,
     token_entropy,
     token_logprobs,
     uniform_groups,
@@ -82,7 +84,7 @@ class RLConfig:
     length_norm: LengthNorm = "constant"
     clip_eps: float = 0.2  # the importance ratio's clip: [1 - clip_eps, 1 + clip_eps]
     epochs_per_batch: int = 1  # optimizer steps on each batch of replies
-    kl_coef: float = 0.0  # weight of the KL penalty to the starting model (0: none, and no reference kept)
+    kl_coef: float = 0.0  # weight of the KL penalty to the starting model (0: measured, not penalised)
 
     def check(self, source: str) -> None:
         """Checks across keys."""
@@ -173,14 +175,14 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
 class Rollouts:
     """A batch of replies, one a row, right-padded: `inputs` and `targets` (the prompt and reply, shifted by
     one), `mask` (the targets that are the reply's), the replies' token log-probabilities under the sampling
-    policy and (with a KL penalty) the starting model, each row's advantage, and whether its group teaches
-    (`counted`). Sliced by row for the processes and micro-batches."""
+    policy and the starting model, each row's advantage, and whether its group teaches (`counted`). Sliced by
+    row for the processes and micro-batches."""
 
     inputs: Int[Tensor, "rows seq"]
     targets: Int[Tensor, "rows seq"]
     mask: Bool[Tensor, "rows seq"]
     old_logprobs: Float[Tensor, "rows seq"]
-    ref_logprobs: Float[Tensor, "rows seq"] | None
+    ref_logprobs: Float[Tensor, "rows seq"]
     advantages: Float[Tensor, " rows"]
     counted: Bool[Tensor, " rows"]
 
@@ -188,10 +190,9 @@ class Rollouts:
         return len(self.inputs)
 
     def __getitem__(self, rows: slice) -> Rollouts:
-        ref = None if self.ref_logprobs is None else self.ref_logprobs[rows]
         return Rollouts(
-            self.inputs[rows], self.targets[rows], self.mask[rows], self.old_logprobs[rows], ref,
-            self.advantages[rows], self.counted[rows],
+            self.inputs[rows], self.targets[rows], self.mask[rows], self.old_logprobs[rows],
+            self.ref_logprobs[rows], self.advantages[rows], self.counted[rows],
         )  # fmt: skip
 
 
@@ -226,7 +227,7 @@ class PromptSet:
         self.reward, self.evaluated = reward, min(evaluated, len(self.prompts))
         self.tokens_per_row = float(np.mean([len(ids) for ids in self.ids])) + settings.max_reply_tokens
         self.passes = settings.epochs_per_batch
-        self.reference: TransformerLM | None = None  # the starting model, for the KL penalty (loaded once)
+        self.reference: TransformerLM | None = None  # the starting model, for the KL (loaded once)
         self.batch_stats: list[dict[str, float]] = []  # of the batches drawn since the last `metrics`
         self.loss_stats: list[dict[str, float]] = []  # of the losses computed since then
 
@@ -275,11 +276,9 @@ class PromptSet:
         inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
         with torch.no_grad():
             old_logprobs = token_logprobs(policy(inputs), targets)
-            ref_logprobs = None
-            if s.kl_coef > 0:
-                if self.reference is None:
-                    self.reference = load_trained(s.base, device).model
-                ref_logprobs = token_logprobs(self.reference(inputs), targets)
+            if self.reference is None:
+                self.reference = load_trained(s.base, device).model
+            ref_logprobs = token_logprobs(self.reference(inputs), targets)
         advantages = group_advantages(rewards, s.normalize_std).flatten().to(device)
         counted = (~uniform).repeat_interleave(s.group_size).to(device)
         self.batch_stats.append(
@@ -316,7 +315,7 @@ class PromptSet:
                     "entropy": float((token_entropy(logits) * tokens).sum() / count),
                 }
             )
-        return (result.per_row * rows.counted).sum() / rows.counted.sum()
+        return teaching_mean(result.per_row, rows.counted)
 
     def metrics(self) -> dict[str, float]:
         """The `TrainRecord` fields of the batches since the last call: means of the reward, the share of
