@@ -251,3 +251,21 @@ def test_the_quickstart_goes_on_to_reinforcement_learning(tmp_path):
     assert records(out / "rl-run", "val_pass1")  # the held-out prompts were evaluated
     recorded = json.loads((out / "quickstart.json").read_text())["chat"]
     assert recorded["exact_match_rl"] == chat.exact_match_rl
+
+
+def test_the_example_config_reads_as_documented(base_and_prompts):
+    """configs/chat-rl.toml: its settings over reinforcement learning's defaults, the model the base's."""
+    from pathlib import Path
+
+    from scratchlm.chat.rl.stage import RL_DEFAULTS
+
+    root, base = base_and_prompts
+    example = Path(__file__).resolve().parent.parent / "configs" / "chat-rl.toml"
+    paths = {"rl.base": base, "rl.train": root / "prompts.jsonl", "rl.valid": root / "prompts.jsonl"}
+    config = rl_config(example, [f"{key}={json.dumps(str(value))}" for key, value in paths.items()])
+    assert (config.optimizer.lr, config.training.max_time_s, config.rl.max_reply_tokens) == (8e-4, 180, 32)
+    assert config.training.batch_size == RL_DEFAULTS["training"]["batch_size"]
+    assert config.model == load_trained(base).model.config and config.training.init_from == str(base)
+    with pytest.raises(ScratchlmError, match=r"an RL config has no \[model\]"):
+        (root / "with-model.toml").write_text(example.read_text() + "\n[model]\nd_model = 64\n")
+        rl_config(root / "with-model.toml")
