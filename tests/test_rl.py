@@ -17,6 +17,7 @@ from scratchlm.chat.rl.rollouts import sample_replies
 from scratchlm.chat.rl.stage import read_prompts, rl_config
 from scratchlm.chat.template import chat_template
 from scratchlm.errors import ScratchlmError
+from scratchlm.experiments.plot import plot_runs
 from scratchlm.run import Checkpoint
 from scratchlm.run.load import load_trained
 from scratchlm.training.trainer import train
@@ -102,6 +103,8 @@ def test_a_word_the_model_rarely_says_is_said_in_nine_replies_of_ten(base_and_pr
         assert all(math_finite(r[key]) for r in logged), key
     passes = records(root / "learnt", "val_pass1")
     assert [r["step"] for r in passes] == [10, 20, 30] and passes[-1]["val_pass1"] >= 0.9
+    drawn = plot_runs([root / "learnt"], root / "reward.png", metric="reward")["learnt"]
+    assert len(drawn["train"]["reward"]) == 30 and drawn["val"]["reward"] == [r["val_pass1"] for r in passes]
     # The result is a chat run like its base.
     trained = load_trained(root / "learnt")
     assert chat_template(trained.tokenizer) is not None
