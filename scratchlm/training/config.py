@@ -16,10 +16,13 @@
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
     [sft]         base, train, valid, valid_fraction, added_tokens: fine-tuning on conversations (the chat
                   package's `sft` module, which registers it)
+    [rl]          base, train, valid, valid_fraction, reward, reward_timeout_s, group_size, temperature,
+                  max_reply_tokens, normalize_std, length_norm, clip_eps, epochs_per_batch, kl_coef:
+                  reinforcement learning on prompts with answers (the chat package's `rl.stage` module)
 
-[data] and [sft] are stages' sections: a config holds exactly one, which says where the run's batches and its
-loss come from (`scratchlm.training.stage`); each is defined and registered beside its stage's code, and a
-config without one is pretraining's.
+[data], [sft] and [rl] are stages' sections: a config holds exactly one, which says where the run's batches
+and its loss come from (`scratchlm.training.stage`); each is defined and registered beside its stage's code
+(the command of a stage imports it), and a config without one is pretraining's.
 
 Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`,
 the value read as a TOML literal, or as a plain string when it is not one: `training.device=cuda`) is checked

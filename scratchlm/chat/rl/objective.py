@@ -78,6 +78,14 @@ def token_logprobs(
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
 
+def kl_estimate(
+    logprobs: Float[Tensor, "... seq"], ref_logprobs: Float[Tensor, "... seq"]
+) -> Float[Tensor, "... seq"]:
+    """Schulman's k3 estimate of KL(π ‖ π_ref) at each sampled token: r − log r − 1, r = π_ref / π."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
 def token_entropy(logits: Float[Tensor, "... seq vocab"]) -> Float[Tensor, "... seq"]:
     """The entropy −Σ p log p of the next-token distribution at each position, in float32."""
     logprobs = logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
@@ -110,19 +118,16 @@ def policy_loss(
     trained, `old_logprobs` under the one that sampled, `ref_logprobs` under the starting model (needed when
     `kl_coef` > 0), each at the row's target tokens; `mask` marks the reply's tokens, the only ones counted.
     `length_norm` divides each row's sum by its reply's length ("sequence") or by `max_reply_tokens`
-    ("constant"). With `ref_logprobs` the KL estimate is measured, and added to the loss with `kl_coef`."""
+    ("constant")."""
     ratio = torch.exp(logprobs - old_logprobs)
     advantage = advantages[:, None]
     unclipped = ratio * advantage
     clipped_term = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage
     per_token = -torch.minimum(unclipped, clipped_term)
     clipped = clipped_term < unclipped  # the min took the clipped term: no gradient through the ratio
-    kl = torch.zeros_like(logprobs)
-    if ref_logprobs is not None:
-        log_ref_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-        if kl_coef:  # else measured only
-            per_token = per_token + kl_coef * kl
+    kl = torch.zeros_like(logprobs) if ref_logprobs is None else kl_estimate(logprobs, ref_logprobs)
+    if kl_coef:
+        per_token = per_token + kl_coef * kl
     total = (per_token * mask).sum(dim=-1)
     length = mask.sum(dim=-1).clamp(min=1) if length_norm == "sequence" else max_reply_tokens
     per_row = total / length

@@ -33,6 +33,7 @@ from scratchlm.chat.conversations import read_message_lines
 from scratchlm.chat.rl.objective import (
     LengthNorm,
     group_advantages,
+    kl_estimate,
     policy_loss,
     teaching_mean,
     token_entropy,
@@ -229,14 +230,16 @@ class PromptSet:
         self.passes = settings.epochs_per_batch
         self.reference: TransformerLM | None = None  # the starting model, for the KL (loaded once)
         self.batch_stats: list[dict[str, float]] = []  # of the batches drawn since the last `metrics`
-        self.loss_stats: list[dict[str, float]] = []  # of the losses computed since then
+        self.clip_stats: list[
+            tuple[int, int]
+        ] = []  # (clipped, counted) reply tokens of the losses since then
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def _replies(
         self, model: TransformerLM, indices: np.ndarray, temperature: float, seeds: list[int] | None
-    ):
+    ) -> list[list[int]]:
         ids = [self.ids[i] for i in indices]
         stop_ids = self.template.stop_ids
         eos = self.tokenizer.eos_id
@@ -275,10 +278,14 @@ class PromptSet:
             mask[r, len(self.ids[i]) - 1 : len(row) - 1] = True
         inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
         with torch.no_grad():
-            old_logprobs = token_logprobs(policy(inputs), targets)
+            logits = policy(inputs)
+            old_logprobs = token_logprobs(logits, targets)
             if self.reference is None:
                 self.reference = load_trained(s.base, device).model
             ref_logprobs = token_logprobs(self.reference(inputs), targets)
+            # How far the policy is from the start, and how sure it is, over every reply token it sampled.
+            kl = (kl_estimate(old_logprobs, ref_logprobs) * mask).sum() / mask.sum()
+            entropy = (token_entropy(logits) * mask).sum() / mask.sum()
         advantages = group_advantages(rewards, s.normalize_std).flatten().to(device)
         counted = (~uniform).repeat_interleave(s.group_size).to(device)
         self.batch_stats.append(
@@ -286,6 +293,8 @@ class PromptSet:
                 "reward": rewards.mean().item(),
                 "uniform_groups": uniform.float().mean().item(),
                 "reply_tokens": float(np.mean([len(reply) for reply in replies])),
+                "kl": kl.item(),
+                "entropy": entropy.item(),
             }
         )
         return Rollouts(inputs, targets, mask, old_logprobs, ref_logprobs, advantages, counted)
@@ -304,30 +313,21 @@ class PromptSet:
             logprobs, rows.old_logprobs, rows.advantages, rows.mask, s.clip_eps, s.length_norm,
             s.max_reply_tokens, rows.ref_logprobs, s.kl_coef,
         )  # fmt: skip
-        with torch.no_grad():
-            tokens = rows.mask & rows.counted[:, None]
-            count = tokens.sum().clamp(min=1)
-            self.loss_stats.append(
-                {
-                    "tokens": float(tokens.sum()),
-                    "kl": float((result.kl * tokens).sum() / count),
-                    "clip_fraction": float((result.clipped & tokens).sum() / count),
-                    "entropy": float((token_entropy(logits) * tokens).sum() / count),
-                }
-            )
+        tokens = rows.mask & rows.counted[:, None]
+        self.clip_stats.append(((result.clipped & tokens).sum().item(), tokens.sum().item()))
         return teaching_mean(result.per_row, rows.counted)
 
     def metrics(self) -> dict[str, float]:
         """The `TrainRecord` fields of the batches since the last call: means of the reward, the share of
-        uniform groups and the reply length; the KL, clip fraction and entropy per counted reply token."""
-        batches, losses = self.batch_stats, self.loss_stats
-        self.batch_stats, self.loss_stats = [], []
+        uniform groups, the reply length, the KL to the starting model and the entropy per reply token; the share
+        of the counted reply tokens the clip cut, over every pass."""
+        batches, clips = self.batch_stats, self.clip_stats
+        self.batch_stats, self.clip_stats = [], []
         if not batches:
             return {}
         values = {key: float(np.mean([b[key] for b in batches])) for key in batches[0]}
-        total = sum(entry["tokens"] for entry in losses)
-        for key in ("kl", "clip_fraction", "entropy"):
-            values[key] = sum(e[key] * e["tokens"] for e in losses) / total if total else 0.0
+        counted = sum(tokens for _, tokens in clips)
+        values["clip_fraction"] = sum(clipped for clipped, _ in clips) / counted if counted else 0.0
         return values
 
     def pass_at_1(self, model: TransformerLM) -> float:
