@@ -272,3 +272,11 @@ def test_the_example_config_reads_as_documented(base_and_prompts):
     with pytest.raises(ScratchlmError, match=r"an RL config has no \[model\]"):
         (root / "with-model.toml").write_text(example.read_text() + "\n[model]\nd_model = 64\n")
         rl_config(root / "with-model.toml")
+
+
+def test_train_refuses_a_config_of_another_stage_naming_its_command(tmp_path, capsys):
+    for stage in ("sft", "rl"):
+        config = tmp_path / f"{stage}.toml"
+        config.write_text(f'[{stage}]\nbase = "runs/x"\n')
+        status, _, err = run_cli(["train", "--config", str(config)], capsys)
+        assert_one_line_error(status, err, f"a config with [{stage}] is for `scratchlm {stage}`")
