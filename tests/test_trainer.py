@@ -81,6 +81,38 @@ def test_a_tiny_model_overfits_one_batch():
     assert loss.item() < 0.1
 
 
+# The losses of `small_config` with two micro-batches a step, as the loop computed them before pretraining
+# reached its batches and loss through a stage (scratchlm.training.stage); the refactor left them bit for bit
+# alike on the machine that recorded them. The tolerance leaves room for another CPU's kernels, not for a change
+# of what is computed.
+RECORDED_TRAIN_LOSSES = [
+    4.432966,
+    4.167601,
+    3.863806,
+    3.342666,
+    3.013526,
+    2.806322,
+    2.662881,
+    2.546348,
+    2.185275,
+    2.461888,
+    2.201306,
+    2.470049,
+]
+RECORDED_VAL_LOSSES = [2.876493, 2.223545, 2.071765]
+
+
+def test_pretraining_computes_the_recorded_losses(tmp_path):
+    config = small_config(
+        tmp_path, training={"batch_size": 8, "max_steps": 12, "device": "cpu", "grad_accum": 2}
+    )
+    train(config)
+    train_losses = [r["train_loss"] for r in records(tmp_path / "run", "train_loss")]
+    val_losses = [r["val_loss"] for r in records(tmp_path / "run", "val_loss")]
+    assert train_losses == pytest.approx(RECORDED_TRAIN_LOSSES, rel=1e-4)
+    assert val_losses == pytest.approx(RECORDED_VAL_LOSSES, rel=1e-4)
+
+
 def test_run_directory_contents(tmp_path):
     config = small_config(tmp_path)
     summary = train(config)
