@@ -280,3 +280,20 @@ def test_train_refuses_a_config_of_another_stage_naming_its_command(tmp_path, ca
         config.write_text(f'[{stage}]\nbase = "runs/x"\n')
         status, _, err = run_cli(["train", "--config", str(config)], capsys)
         assert_one_line_error(status, err, f"a config with [{stage}] is for `scratchlm {stage}`")
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("rl.group_size=1", "rl.group_size must be at least 2"),
+        ("rl.temperature=0", "rl.temperature must be above 0"),
+        ("rl.clip_eps=1.5", r"rl.clip_eps must lie in \(0, 1\)"),
+        ("rl.length_norm='tokens'", "rl.length_norm must be one of 'sequence', 'constant'"),
+        ("training.batch_size=12", "must be a multiple of rl.group_size"),
+    ],
+)
+def test_settings_are_checked_before_anything_runs(base_and_prompts, setting, message):
+    root, base = base_and_prompts
+    with pytest.raises(ScratchlmError, match=message):
+        config_for(root, base, "refused", setting)
+    assert not (root / "refused").exists()

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.directory import RunDirectory
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -41,7 +42,7 @@ class Examples(Protocol):
     tokens_per_row: float  # the inputs a row holds (on average): what tokens/s counts
     passes: int  # optimizer steps a drawn batch takes (1; reinforcement learning's epochs_per_batch)
 
-    def draw(self, batch_size: int, generator: np.random.Generator, policy: Callable[..., Tensor]) -> Any:
+    def draw(self, batch_size: int, generator: np.random.Generator, policy: TransformerLM) -> Any:
         """The rows of one step, drawn with `generator` (whose state the checkpoints keep), indexable by a
         slice of rows (a process's share, a micro-batch). `policy` is the model as it is now, for a stage
         whose rows it writes (sampled replies); the other stages ignore it."""

@@ -77,7 +77,7 @@ class RLConfig:
     reward: str = "exact"
     reward_timeout_s: float = 10.0  # a reward that runs longer on one reply stops the run
     group_size: int = 8  # replies sampled to each prompt (training.batch_size counts replies)
-    temperature: float = 1.0  # of the sampled replies (validation decodes greedily)
+    temperature: float = 1.0  # of the sampled replies, above 0 (validation decodes greedily)
     max_reply_tokens: int = 64  # at most, and at most what the context leaves after the prompt
     normalize_std: bool = False  # divide each advantage by its group's std (GRPO) or not (Dr. GRPO)
     # "constant": a reply's token terms summed over max_reply_tokens (Dr. GRPO); "sequence": averaged over
@@ -102,7 +102,12 @@ class RLConfig:
                 raise ScratchlmError(f"{source}: rl.{key} must be at least 1, got {getattr(self, key)!r}")
         if self.group_size < 2:
             raise ScratchlmError(f"{source}: rl.group_size must be at least 2: a group is its own baseline")
-        for key in ("temperature", "kl_coef", "reward_timeout_s"):
+        if not self.temperature > 0:
+            raise ScratchlmError(
+                f"{source}: rl.temperature must be above 0, got {self.temperature!r}: greedy replies to a prompt "
+                "are one reply repeated, a group that teaches nothing"
+            )
+        for key in ("kl_coef", "reward_timeout_s"):
             if not getattr(self, key) >= 0:
                 raise ScratchlmError(f"{source}: rl.{key} must be >= 0, got {getattr(self, key)!r}")
         if not 0 < self.clip_eps < 1:
