@@ -115,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
     from scratchlm.device import plan
     from scratchlm.run.directory import RunDirectory
     from scratchlm.training.distributed import init_distributed, shutdown_distributed
-    from scratchlm.training.inputs import load_training_data
+    from scratchlm.training.stage import load_training_data
     from scratchlm.training.trainer import Session, build_session
 
     directory = Path(args.worker)

@@ -215,14 +215,19 @@ def quickstart(
     recipe: str = DEFAULT_RECIPE,
     text: list[str | Path] | None = None,
     chat_minutes: float | None = None,
+    rl_minutes: float | None = None,
 ) -> QuickstartResult:
     """Build the corpus (the standard library's sources, or the files and directories of `text`), tokenizer
     and token files, train for `minutes` with `recipe`, evaluate, sample and plot; with `chat_minutes`, then
-    fine-tune the model to chat for that long on the built-in conversations (`scratchlm.chat.pipeline`)."""
-    # Every argument is checked before any work starts: the chat stage's too, which runs last.
+    fine-tune the model to chat for that long on the built-in conversations, and with `rl_minutes` go on by
+    reinforcement learning on the same tasks for that long (`scratchlm.chat.pipeline`)."""
+    # Every argument is checked before any work starts: the chat stages' too, which run last.
     seconds = budget_seconds(minutes, "--minutes")
     chat_seconds = None if chat_minutes is None else budget_seconds(chat_minutes, "--chat-minutes")
-    stage = Stages(6 if chat_seconds is None else 9)
+    rl_seconds = None if rl_minutes is None else budget_seconds(rl_minutes, "--rl-minutes")
+    if rl_seconds is not None and chat_seconds is None:
+        raise ScratchlmError("--rl goes on from the chat model of --chat: add --chat")
+    stage = Stages(6 if chat_seconds is None else 9 if rl_seconds is None else 10)
     if recipe not in RECIPES:
         raise ScratchlmError(f"--recipe must be one of {', '.join(RECIPES)}; got {recipe!r}")
     device = str(resolve_device(device))
@@ -258,7 +263,7 @@ def quickstart(
     chat = None
     if chat_seconds is not None:
         chat_size = CHAT_SMALL if small else CHAT_FULL
-        chat = chat_stages(run_dir, out_dir, chat_seconds, device, chat_size, stage)
+        chat = chat_stages(run_dir, out_dir, chat_seconds, device, chat_size, stage, rl_seconds)
 
     quick = QuickstartResult(
         out_dir=str(out_dir),
@@ -466,6 +471,18 @@ def _print_summary(result: QuickstartResult, commands: Sequence[tuple[str, list[
             ),
             ("assistant loss", f"{chat.loss_after:.4f} nats/token after, {chat.loss_before:.4f} before"),
         ]
+        if chat.rl_run_dir is not None:
+            rows += [
+                (
+                    "RL model",
+                    f"{chat.rl_run_dir} ({chat.rl_steps:,} steps in {format_seconds(chat.rl_training_seconds)})",
+                ),
+                (
+                    "exact match (RL)",
+                    f"{chat.exact_match_rl:.1%} after RL, {chat.exact_match_after:.1%} fine-tuned, "
+                    f"{chat.exact_match_before:.1%} base",
+                ),
+            ]
     rows.append(("total time", format_seconds(result.wall_seconds)))
     console.rule(Text("summary", style="bold"), align="left")
     width = max(len(name) for name, _ in rows)

@@ -215,9 +215,10 @@ def test_train_tokenizer_refuses_an_empty_file(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_config_names_its_tokenizer(config: Path) -> None:
     tables = tomllib.loads(config.read_text())
-    if "sft" in tables:  # a fine-tuning run's tokenizer is its base's, with the chat template
-        assert tables["sft"]["base"]
-        return
+    for stage in ("sft", "rl"):  # a fine-tuning or RL run's tokenizer is its base's, with the chat template
+        if stage in tables:
+            assert tables[stage]["base"]
+            return
     data = tables["data"]
     # Where `scratchlm prepare` writes it: beside the token files.
     assert data["tokenizer"] == str(Path(data["train"]).parent / "tokenizer")

@@ -15,13 +15,13 @@ import pytest
 from test_trainer import small_config
 
 from scratchlm.cli import main
+from scratchlm.data import tokens as tokens_module
 from scratchlm.errors import DivergedError, ScratchlmError
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import Checkpoint, RunDirectory, StopReason
 from scratchlm.run import lock as lock_module
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training import step as step_module
 from scratchlm.training.trainer import train
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files through /proc")
@@ -154,7 +154,7 @@ def test_a_resumed_run_that_diverges_says_so_in_its_summary(tmp_path, monkeypatc
     assert RunDirectory(tmp_path / "run").summary().stopped is StopReason.FINISHED
 
     monkeypatch.setattr(
-        step_module,
+        tokens_module,
         "cross_entropy",
         lambda logits, targets, ignore=None: cross_entropy(logits, targets, ignore) * np.nan,
     )

@@ -1,4 +1,5 @@
-"""Who owns what: inference never imports training, and checkpoints written by earlier code still load."""
+"""Who owns what: inference never imports training, the training loop never imports a stage built on it (chat),
+and checkpoints written by earlier code still load."""
 
 from __future__ import annotations
 
@@ -53,6 +54,24 @@ def module_file(module: str) -> Path | None:
     return None
 
 
+def reached(start: list[Path], forbidden: str) -> tuple[set[str], dict[Path, str]]:
+    """Every chain of imports from the files `start` through the package that reaches `forbidden` (a package
+    name), as "first file -> ... -> module", and the files the walk went through."""
+    seen: dict[Path, str] = {path: str(path.relative_to(PACKAGE)) for path in start}
+    queue = list(start)
+    arrows = set()
+    while queue:
+        path = queue.pop()
+        for module in imported_modules(path):
+            if module == forbidden or module.startswith(forbidden + "."):
+                arrows.add(f"{seen[path]} -> {module}")
+            target = module_file(module)
+            if target is not None and target not in seen:
+                seen[target] = f"{seen[path]} -> {target.relative_to(PACKAGE)}"
+                queue.append(target)
+    return arrows, seen
+
+
 def test_no_inference_module_imports_training_even_through_another():
     """Follows every import from the inference side through the package (the model, the tokenizer, ...):
     no chain of imports reaches scratchlm.training."""
@@ -62,20 +81,24 @@ def test_no_inference_module_imports_training_even_through_another():
         for p in ([PACKAGE / part] if part.endswith(".py") else (PACKAGE / part).rglob("*.py"))
     ]
     assert len(start) > 10
-    seen: dict[Path, str] = {path: str(path.relative_to(PACKAGE)) for path in start}
-    queue = list(start)
-    arrows = set()
-    while queue:
-        path = queue.pop()
-        for module in imported_modules(path):
-            if module == "scratchlm.training" or module.startswith("scratchlm.training."):
-                arrows.add(f"{seen[path]} -> {module}")
-            target = module_file(module)
-            if target is not None and target not in seen:
-                seen[target] = f"{seen[path]} -> {target.relative_to(PACKAGE)}"
-                queue.append(target)
+    arrows, seen = reached(start, "scratchlm.training")
     assert arrows == set()
     assert PACKAGE / "model" / "transformer.py" in seen  # the walk did follow imports
+
+
+def test_the_training_loop_imports_no_stage_built_on_it():
+    """The loop reaches its batches and its loss through `scratchlm.training.stage` alone: no module of
+    scratchlm/training imports scratchlm.chat (the stages built on the loop register themselves). The chat
+    template, which inference reads too, may be reached through the modules below the loop."""
+    files = sorted((PACKAGE / "training").rglob("*.py"))
+    assert len(files) > 10
+    found = {
+        f"{path.relative_to(PACKAGE)} -> {module}"
+        for path in files
+        for module in imported_modules(path)
+        if module == "scratchlm.chat" or module.startswith("scratchlm.chat.")
+    }
+    assert found == set()
 
 
 def test_the_walk_sees_an_import_inside_a_function(tmp_path):

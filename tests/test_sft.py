@@ -108,6 +108,36 @@ def test_fine_tuning_resumes_bit_for_bit(base_and_data):
     assert_same_state(final_state(root / "straight"), final_state(root / "resumed"))
 
 
+# The losses of `config_for` with two micro-batches a step, as the loop computed them before fine-tuning reached
+# its batches and loss through a stage (scratchlm.training.stage): bit for bit alike on the machine that
+# recorded them; the tolerance leaves room for another CPU's kernels, not for a change of what is computed.
+RECORDED_TRAIN_LOSSES = [
+    6.497439,
+    6.529861,
+    6.436286,
+    6.526021,
+    6.425888,
+    6.514745,
+    6.420188,
+    6.397555,
+    6.489817,
+    6.423487,
+    6.426389,
+    6.395149,
+]
+RECORDED_VAL_LOSSES = [6.471953, 6.446038, 6.401224]
+
+
+def test_fine_tuning_computes_the_recorded_losses(base_and_data):
+    root, base = base_and_data
+    train(config_for(root, base, "recorded", grad_accum=2))
+    records = [json.loads(line) for line in (root / "recorded" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_loss"] for r in records if "train_loss" in r] == pytest.approx(
+        RECORDED_TRAIN_LOSSES, rel=1e-4
+    )
+    assert [r["val_loss"] for r in records if "val_loss" in r] == pytest.approx(RECORDED_VAL_LOSSES, rel=1e-4)
+
+
 def test_micro_batches_weigh_each_assistant_token_alike(base_and_data):
     """The loss is the mean over the counted tokens of the whole batch, however it is split into
     micro-batches (which hold different numbers of them): two micro-batches give the one-batch run."""

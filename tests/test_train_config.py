@@ -42,9 +42,23 @@ def test_resolved_toml_reads_back_to_the_same_config():
     config = TrainConfig.load(None, [*REQUIRED, 'data.tokenizer=tok dir/"x"', "optimizer.betas=[0.9, 0.999]"])
     text = config.to_toml()
     expected = config.to_dict()  # TOML has lists where the config has tuples
-    expected["optimizer"]["betas"], expected["sft"]["added_tokens"] = [0.9, 0.999], []
+    expected["optimizer"]["betas"] = [0.9, 0.999]
     assert tomllib.loads(text) == expected
     assert TrainConfig.from_dict(tomllib.loads(text)) == config
+    assert list(expected)[0] == "data" and "sft" not in expected  # one stage's section: pretraining's
+
+
+def test_a_config_holds_one_stage_and_a_record_of_another_is_no_change():
+    import scratchlm.chat.sft  # noqa: F401  (registers [sft])
+    from scratchlm.training.config import config_changes
+
+    with pytest.raises(ScratchlmError, match=r"\[data\] and \[sft\] are different stages' sections"):
+        TrainConfig.from_dict({"data": {"train": "a", "valid": "b"}, "sft": {}, "training": {"max_steps": 1}})
+    config = TrainConfig.load(None, [*REQUIRED])
+    assert config.stage_name == "data" and config.data.train
+    recorded = config.to_dict() | {"sft": {"base": "", "train": ""}}  # as configs recorded every stage's
+    assert config_changes(recorded, config) == []
+    assert config_changes(config.to_dict() | {"data": {"train": "other.npy"}}, config) != []
 
 
 def test_token_budget_gives_the_number_of_steps():

@@ -23,30 +23,42 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from scratchlm.chat.template import ChatTemplate, Message, check_messages
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.loss import IGNORE
+from scratchlm.model.loss import IGNORE, cross_entropy
 
 
 def read_conversations(path: str | os.PathLike) -> list[list[Message]]:
     """The conversations of a JSONL file, each line checked; blank lines are skipped."""
+    conversations = []
+    for where, _, messages in read_message_lines(path, "conversation"):
+        if not any(m.role == "assistant" for m in messages):
+            raise ScratchlmError(f"{where}: the conversation has no assistant turn, so nothing to learn from")
+        conversations.append(messages)
+    return conversations
+
+
+def read_message_lines(path: str | os.PathLike, what: str) -> list[tuple[str, dict, list[Message]]]:
+    """Each non-blank line of a JSONL file of `what`s (conversations, prompts) as its `file:line`, its JSON
+    object and its checked `messages`; a line that is not such an object is a one-line error naming it."""
     path = Path(path)
     if not path.is_file():
-        raise ScratchlmError(f"conversation file {path} not found")
-    conversations = []
+        raise ScratchlmError(f"{what} file {path} not found")
     with open(path, encoding="utf-8", errors="strict") as f:
         try:
             lines = list(f)
         except UnicodeDecodeError as e:
             raise ScratchlmError(f"{path}: not valid UTF-8 at byte {e.start}") from None
+    found = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -63,12 +75,10 @@ def read_conversations(path: str | os.PathLike) -> list[list[Message]]:
             messages = check_messages(record["messages"])
         except ScratchlmError as e:
             raise ScratchlmError(f"{where}: {e}") from None
-        if not any(m.role == "assistant" for m in messages):
-            raise ScratchlmError(f"{where}: the conversation has no assistant turn, so nothing to learn from")
-        conversations.append(messages)
-    if not conversations:
-        raise ScratchlmError(f"{path} holds no conversations")
-    return conversations
+        found.append((where, record, messages))
+    if not found:
+        raise ScratchlmError(f"{path} holds no {what}s")
+    return found
 
 
 def write_conversations(path: str | os.PathLike, conversations: list[list[Message]]) -> None:
@@ -142,10 +152,9 @@ def _cut(ids: list[int], counted: list[bool], end: int, limit: int) -> tuple[lis
 
 
 class ConversationBatches:
-    """Fine-tuning batches: conversations drawn uniformly with replacement, one a row (the counterpart of
-    `scratchlm.data.tokens.TokenWindows`)."""
-
-    ignore_index = IGNORE
+    """Fine-tuning batches: conversations drawn uniformly with replacement, one a row, the loss the
+    cross-entropy of the assistant's tokens (the counterpart of `scratchlm.data.tokens.TokenWindows`; both are
+    `scratchlm.training.stage.Examples`)."""
 
     def __init__(self, encoded: Encoded) -> None:
         self.encoded = encoded
@@ -155,11 +164,12 @@ class ConversationBatches:
         self.counts = np.add.reduceat(counted, encoded.offsets[:-1]).astype(np.int64)
         # The inputs of a row on average (padding aside): what tokens/s counts for a fine-tuning run.
         self.tokens_per_row = float(np.diff(encoded.offsets).mean()) - 1
+        self.passes = 1  # one optimizer step a batch
 
     def __len__(self) -> int:
         return len(self.encoded)
 
-    def draw(self, batch_size: int, generator: np.random.Generator) -> np.ndarray:
+    def draw(self, batch_size: int, generator: np.random.Generator, policy: object = None) -> np.ndarray:
         return generator.integers(0, len(self.encoded), size=batch_size)
 
     def counted(self, indices: np.ndarray) -> int:
@@ -179,6 +189,14 @@ class ConversationBatches:
             inputs[r, : len(ids) - 1] = ids[:-1]
             targets[r, : len(ids) - 1] = np.where(counted[1:], ids[1:], IGNORE)
         return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device)
+
+    def loss(
+        self, indices: np.ndarray, model: Callable[..., Tensor], device: torch.device, fused: bool
+    ) -> Float[Tensor, ""]:
+        """The mean cross-entropy of the counted targets of the rows `indices` (never `fused`: the fused loss
+        counts every target)."""
+        inputs, targets = self.gather(indices, device)
+        return cross_entropy(model(inputs), targets, IGNORE)
 
     def validation_batches(self, iters: int, batch_size: int, seed: int) -> list[np.ndarray]:
         """The first `iters × batch_size` conversations (all, when there are fewer), in order, `batch_size` at

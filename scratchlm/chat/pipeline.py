@@ -2,8 +2,11 @@
 
     built-in conversations (scratchlm.chat.tasks) -> OUT/chat/{train,test}.jsonl
     the base run, fine-tuned on them for a time budget (scratchlm.chat.sft) -> OUT/chat-run
-    the base and the chat model scored on the test split: exact match of the last answer, and the loss of
-    the assistant's tokens -> a short conversation with the chat model
+    with `--rl`: the same conversations as prompts with their answers -> OUT/chat/{rl-train,rl-test}.jsonl,
+    the chat model trained on them by reinforcement learning, exact-match reward, for a time budget
+    (scratchlm.chat.rl) -> OUT/rl-run
+    the base, the chat (and the RL) model scored on the test split: exact match of the last answer, and the
+    loss of the assistant's tokens -> a short conversation with the last model
 
 The base is scored with the same template (its tokenizer given the chat tokens, when it lacked them, as
 fine-tuning does), so the two figures compare the same prompts. Like the quickstart's other stages, each one
@@ -26,11 +29,13 @@ from scratchlm.chat.conversations import (
     read_conversations,
     write_conversations,
 )
+from scratchlm.chat.rl.stage import rl_config
 from scratchlm.chat.sft import sft_config
 from scratchlm.chat.tasks import build_tasks, exact_match, greedy_reply
 from scratchlm.chat.template import ChatTemplate, Message, chat_template, with_chat_tokens
 from scratchlm.console import console
 from scratchlm.device import plan
+from scratchlm.io import atomic_write
 from scratchlm.model.loss import IGNORE, cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import RunDirectory, StopReason, load_trained
@@ -44,15 +49,25 @@ class ChatSize:
     test_conversations: int
     max_steps: int  # the most steps; the time budget usually ends the run first
     lr: float  # AdamW's peak rate, decayed to a tenth
+    rl_steps: int  # the most steps of reinforcement learning (`--rl`)
+    rl_lr: float  # its peak rate, decayed to a tenth
 
 
 # The rate: the best of a sweep on the quickstart's model, 3 minutes of fine-tuning each on two Zen 4 cores
 # (exact match on the 200 test conversations): 1e-3 58 %, 2e-3 70.5 %, 4e-3 81.5 %, 8e-3 88.5 %, 1.6e-2 85.5 %.
-CHAT_FULL = ChatSize(train_conversations=20_000, test_conversations=200, max_steps=3000, lr=8e-3)
-CHAT_SMALL = ChatSize(train_conversations=400, test_conversations=20, max_steps=30, lr=8e-3)
+# The RL rate is a tenth of fine-tuning's (not swept): the policy should move less from a model that answers.
+CHAT_FULL = ChatSize(
+    train_conversations=20_000, test_conversations=200, max_steps=3000, lr=8e-3, rl_steps=1000, rl_lr=8e-4
+)
+CHAT_SMALL = ChatSize(
+    train_conversations=400, test_conversations=20, max_steps=30, lr=8e-3, rl_steps=4, rl_lr=8e-4
+)
+# The longest reply RL samples: the built-in tasks' answers are a few words.
+RL_REPLY_TOKENS = 32
 
-#: The chat model's run directory, under the quickstart's output directory.
+#: The chat model's run directory, under the quickstart's output directory; the RL model's.
 CHAT_RUN = "chat-run"
+RL_RUN = "rl-run"
 # Questions of the conversation the quickstart shows (the second one follows up on the first).
 SHOWN = ("Reverse: print open len", "As a list: zip max", "Add 7 and 5.")
 
@@ -67,6 +82,12 @@ class ChatResult:
     loss_before: float
     loss_after: float
     test_conversations: int
+    # with --rl: the RL run, its steps and time, and its model's figures
+    rl_run_dir: str | None = None
+    rl_steps: int | None = None
+    rl_training_seconds: float | None = None
+    exact_match_rl: float | None = None
+    loss_rl: float | None = None
 
 
 def conversation_files(out_dir: Path, size: ChatSize) -> tuple[Path, Path]:
@@ -104,6 +125,53 @@ def fine_tune(
         "optimizer.min_lr": size.lr / 10,
     }
     config = sft_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
+    return train(config, resume=run.latest_checkpoint() is not None)
+
+
+def prompt_files(out_dir: Path, train_file: Path, test_file: Path) -> tuple[Path, Path]:
+    """The conversations of `train_file` and `test_file` as RL prompts (each up to its last question, its last
+    answer the `answer`), written once into `out_dir` (rl-train.jsonl, rl-test.jsonl)."""
+    files = out_dir / "rl-train.jsonl", out_dir / "rl-test.jsonl"
+    if all(path.exists() for path in files):
+        return files
+    for source, path in zip((train_file, test_file), files, strict=True):
+        with atomic_write(path, "w") as f:
+            for messages in read_conversations(source):
+                question = [{"role": m.role, "content": m.content} for m in messages[:-1]]
+                f.write(json.dumps({"messages": question, "answer": messages[-1].content}) + "\n")
+    return files
+
+
+def reinforce(
+    chat_run: Path,
+    train_file: Path,
+    test_file: Path,
+    run_dir: Path,
+    seconds: float,
+    device: str,
+    size: ChatSize,
+):
+    """Train the chat model by RL on the prompts (or resume, or reuse the finished run); returns its summary."""
+    run = RunDirectory(run_dir)
+    summary = run.summary()
+    if summary is not None and summary.stopped not in (StopReason.INTERRUPTED, StopReason.DIVERGED):
+        console.print(f"reusing the finished RL model in {run_dir} (delete it to train again)")
+        return summary
+    overrides = {
+        "rl.base": str(chat_run),
+        "rl.train": str(train_file),
+        "rl.valid": str(test_file),
+        "rl.reward": "exact",
+        "rl.max_reply_tokens": RL_REPLY_TOKENS,
+        "logging.run_dir": str(run_dir),
+        "training.max_time_s": seconds,
+        "training.max_steps": size.rl_steps,
+        "training.device": device,
+        "optimizer.lr": size.rl_lr,
+        "optimizer.min_lr": size.rl_lr / 10,
+        "eval.batch_size": size.test_conversations,
+    }
+    config = rl_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
     return train(config, resume=run.latest_checkpoint() is not None)
 
 
@@ -152,31 +220,56 @@ def show_conversation(model: TransformerLM, template: ChatTemplate) -> None:
         console.out(f"assistant: {text}")
 
 
-def chat_stages(base: Path, out_dir: Path, seconds: float, device: str, size: ChatSize, stage) -> ChatResult:
-    """The `--chat` stages after the base run (`stage(title)` announces each)."""
+def chat_stages(
+    base: Path,
+    out_dir: Path,
+    seconds: float,
+    device: str,
+    size: ChatSize,
+    stage,
+    rl_seconds: float | None = None,
+) -> ChatResult:
+    """The `--chat` stages after the base run, and with `rl_seconds` the `--rl` stage (`stage(title)`
+    announces each)."""
     stage("conversations: built-in tasks (copy, reverse, sort, count, add, ...)")
     train_file, test_file = conversation_files(out_dir / "chat", size)
     stage("fine-tuning to chat")
     run_dir = out_dir / CHAT_RUN
     summary = fine_tune(base, train_file, test_file, run_dir, seconds, device, size)
-    stage("the base and the chat model on the held-out conversations")
+    models = {"base": base, "chat": run_dir}
+    rl_summary = None
+    if rl_seconds is not None:
+        stage("reinforcement learning on the same tasks (exact-match reward)")
+        prompts = prompt_files(out_dir / "chat", train_file, test_file)
+        models["RL"] = out_dir / RL_RUN
+        rl_summary = reinforce(run_dir, *prompts, models["RL"], rl_seconds, device, size)
+    stage(f"the {', '.join(models)} models on the held-out conversations")
     test_set = read_conversations(test_file)
     scores = {}
-    for name, source in (("before", base), ("after", run_dir)):
+    for name, source in models.items():
         model, template = as_chat_model(source, device)
         scores[name] = (exact_match(model, template, test_set), assistant_loss(model, template, test_set))
         console.print(
-            f"{'base' if name == 'before' else 'chat'} model: exact match {scores[name][0]:.1%}, "
-            f"assistant-token loss {scores[name][1]:.4f} nats"
+            f"{name} model: exact match {scores[name][0]:.1%}, assistant-token loss {scores[name][1]:.4f} nats"
         )
     show_conversation(model, template)
+    rl = {}
+    if rl_summary is not None:
+        rl = {
+            "rl_run_dir": str(models["RL"]),
+            "rl_steps": rl_summary.steps,
+            "rl_training_seconds": rl_summary.wall_time_s,
+            "exact_match_rl": scores["RL"][0],
+            "loss_rl": scores["RL"][1],
+        }
     return ChatResult(
         run_dir=str(run_dir),
         steps=summary.steps,
         training_seconds=summary.wall_time_s,
-        exact_match_before=scores["before"][0],
-        exact_match_after=scores["after"][0],
-        loss_before=scores["before"][1],
-        loss_after=scores["after"][1],
+        exact_match_before=scores["base"][0],
+        exact_match_after=scores["chat"][0],
+        loss_before=scores["base"][1],
+        loss_after=scores["chat"][1],
         test_conversations=len(test_set),
+        **rl,
     )

@@ -6,8 +6,8 @@
       -> `train`, its batches conversations instead of windows of tokens, its loss counting the assistant's
          tokens only (`scratchlm.chat.conversations`)
 
-A fine-tuning run is a training run whose config has an `[sft]` section: the same run directory, metrics,
-plots, checkpoints, time budget and resume. Its `[model]` is the base's, filled in here (a config that sets
+A fine-tuning run is a training run whose stage is `SFT` (its config's `[sft]` section, registered here:
+`scratchlm.training.stage`): the same run directory, metrics, plots, checkpoints, time budget and resume. Its `[model]` is the base's, filled in here (a config that sets
 one is refused), and `training.init_from` is the base. `SFT_DEFAULTS` are the settings that differ from
 pretraining's; the config file and `--set` override them. The run's tokenizer carries the template
 (`RUN/tokenizer/chat_template.jinja`), which is how the run records that it is a chat model, and which
@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,11 +29,11 @@ from scratchlm.chat.template import ChatTemplate, with_chat_tokens
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
+from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from scratchlm.training.config import TrainConfig
+from scratchlm.training.config import TrainConfig, read_toml
+from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
 
 # What fine-tuning changes from pretraining's defaults. AdamW over every parameter whatever recipe trained
 # the base (a base of the fast recipe has no Muon state to continue), at a lower rate than pretraining, and
@@ -59,7 +59,11 @@ class SFTConfig:
     added_tokens: tuple[str, ...] = ()
 
     def check(self, source: str) -> None:
-        """Checks across keys, for a fine-tuning run (`train` set)."""
+        """Checks across keys."""
+        if not self.train:
+            raise ScratchlmError(
+                f"{source}: sft.train is required: the conversations to fine-tune on (JSONL)"
+            )
         if not self.base:
             raise ScratchlmError(f"{source}: sft.base is required (the run to fine-tune)")
         if not 0 < self.valid_fraction < 1:
@@ -70,6 +74,8 @@ class SFTConfig:
 
 VALID_SPLIT_SEED = 0  # the held-out conversations of a file without a valid file: the same ones every time
 
+T = TypeVar("T")
+
 
 def sft_config(
     path: str | os.PathLike | None = None,
@@ -79,15 +85,11 @@ def sft_config(
     """The fine-tuning config: `SFT_DEFAULTS`, the file at `path`, a command's `flags` (`TrainConfig.load`),
     the `overrides`, then the base's model (its vocabulary grown for the chat tokens) `training.init_from =
     sft.base` and `sft.added_tokens`."""
-    from scratchlm.training.config import TrainConfig, read_toml  # which holds this module's section
-
     if path is not None and "model" in read_toml(Path(path)):
         raise ScratchlmError(f"{path}: a fine-tuning config has no [model]: the model is sft.base's")
     if any(o.strip().startswith("model.") for o in overrides):
         raise ScratchlmError("--set model.*: a fine-tuning run's model is sft.base's")
-    config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS, flags=flags)
-    if not config.sft.train:
-        raise ScratchlmError("sft.train is required: the conversations to fine-tune on (JSONL)")
+    config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS, flags=flags, stage="sft")
     base_model, tokenizer, added = _base(config.sft.base)
     values = config.to_dict()
     values["model"] = base_model.to_dict() | {"vocab_size": max(base_model.vocab_size, tokenizer.vocab_size)}
@@ -108,20 +110,30 @@ def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str]]:
     return trained.model.config, tokenizer, added
 
 
-def load_conversations(config: TrainConfig) -> tuple[ConversationBatches, ConversationBatches, Tokenizer]:
+def held_out_split(items: list[T], fraction: float, one: str) -> tuple[list[T], list[T]]:
+    """`items` split into those kept for training and `fraction` of them (at least one) held out for
+    validation, the same ones every time (`VALID_SPLIT_SEED`); `one` names a single item, which cannot be
+    split."""
+    if len(items) < 2:
+        raise ScratchlmError(f"{one} cannot be split into training and validation")
+    order = np.random.default_rng(VALID_SPLIT_SEED).permutation(len(items))
+    held_out = set(order[: max(1, math.ceil(len(items) * fraction))].tolist())
+    return (
+        [item for i, item in enumerate(items) if i not in held_out],
+        [item for i, item in enumerate(items) if i in held_out],
+    )
+
+
+def load_conversations(config: TrainConfig, run_dir: RunDirectory) -> TrainingData:
     """The training and held-out conversations of `[sft]`, encoded with the chat template, and the tokenizer
-    that carries it. Conversations cut or skipped for their length are reported."""
+    that carries it, which a resumed run must not have changed. Conversations cut or skipped for their length
+    are reported."""
     s, context = config.sft, config.model.context_length
     train = read_conversations(s.train)
     if s.valid:
         valid = read_conversations(s.valid)
     else:
-        if len(train) < 2:
-            raise ScratchlmError(f"{s.train}: one conversation cannot be split into training and validation")
-        order = np.random.default_rng(VALID_SPLIT_SEED).permutation(len(train))
-        held_out = set(order[: max(1, math.ceil(len(train) * s.valid_fraction))].tolist())
-        valid = [c for i, c in enumerate(train) if i in held_out]
-        train = [c for i, c in enumerate(train) if i not in held_out]
+        train, valid = held_out_split(train, s.valid_fraction, f"{s.train}: one conversation")
     _, tokenizer, added = _base(s.base)
     if added:
         console.print(f"the base's tokenizer lacks {', '.join(added)}: added for the chat template")
@@ -142,4 +154,8 @@ def load_conversations(config: TrainConfig) -> tuple[ConversationBatches, Conver
             )
         console.print(line)
         batches.append(ConversationBatches(encoded))
-    return batches[0], batches[1], tokenizer
+    check_run_tokenizer(tokenizer, f"the chat tokenizer of sft.base {s.base}", run_dir)
+    return TrainingData(batches[0], batches[1], tokenizer)
+
+
+SFT = register_stage(Stage("sft", SFTConfig, load_conversations, grows_vocabulary=True))

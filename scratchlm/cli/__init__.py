@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "encode": "encode",
     "train": "train",
     "sft": "sft",
+    "rl": "rl",
     "eval": "eval",
     "generate": "generate",
     "chat": "chat",

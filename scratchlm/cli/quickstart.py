@@ -12,6 +12,7 @@ from scratchlm.cli.options import (
 )
 
 CHAT_MINUTES = 3.0  # --chat's fine-tuning time
+RL_MINUTES = 3.0  # --rl's reinforcement learning time
 HELP = (
     "Train a tokenizer and a small model on the Python standard library's sources (or on your own text), "
     "evaluate and sample."
@@ -51,6 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="M",
         help=f"with --chat: fine-tuning time in minutes (default: {CHAT_MINUTES:g})",
     )
+    parser.add_argument(
+        "--rl",
+        action="store_true",
+        help="with --chat: then train the chat model by reinforcement learning on the same tasks (exact-match "
+        "reward) and score the base, chat and RL models on the same held-out conversations",
+    )
+    parser.add_argument(
+        "--rl-minutes",
+        type=float,
+        metavar="M",
+        help=f"with --rl: its time in minutes (default: {RL_MINUTES:g})",
+    )
     add_device_argument(parser)
 
 
@@ -61,6 +74,8 @@ def run(args: argparse.Namespace) -> None:
 
     if args.chat_minutes is not None and not args.chat:
         raise ScratchlmError("--chat-minutes is the fine-tuning time of --chat: add --chat, or leave it out")
+    if args.rl_minutes is not None and not args.rl:
+        raise ScratchlmError("--rl-minutes is the time of --rl: add --rl, or leave it out")
     # An interrupted quickstart resumes when the same command runs again (it has no --resume).
     with resume_hint(rerun_to_continue(args)):
         quickstart(
@@ -71,4 +86,5 @@ def run(args: argparse.Namespace) -> None:
             recipe=args.recipe,
             text=args.text,
             chat_minutes=(args.chat_minutes or CHAT_MINUTES) if args.chat else None,
+            rl_minutes=(args.rl_minutes or RL_MINUTES) if args.rl else None,
         )

@@ -40,9 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--valid", metavar="JSONL", help="held-out conversations (default: 5%% of --data): sft.valid"
     )
+    add_stage_arguments(parser, "fine-tuning", DEFAULT_OUT)
+
+
+def add_stage_arguments(parser: argparse.ArgumentParser, what: str, default_out: str) -> None:
+    """The options every stage on top of a run shares (`sft`, `rl`): where its run goes, its time budget,
+    device and precision, the config with `--set`, and resuming."""
     add_out_argument(
-        parser,
-        f"the fine-tuning run's directory: logging.run_dir (default: the config's, else {DEFAULT_OUT})",
+        parser, f"the {what} run's directory: logging.run_dir (default: the config's, else {default_out})"
     )
     add_minutes_argument(
         parser, "time budget in minutes: training.max_time_s = 60 M (default: the config's, else none)"
@@ -67,15 +72,16 @@ def run(args: argparse.Namespace) -> None:
         "--valid": ("sft.valid", args.valid),
     }
     flags = config_flags(args, own)
-    _check_required(args, flags)
+    check_required(args, flags, REQUIRED)
     config = sft_config(args.config, args.overrides, flags)
     from scratchlm.training.trainer import train
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)
 
 
-def _check_required(args: argparse.Namespace, flags: dict) -> None:
-    """Name a missing `REQUIRED` flag as the flag, before the config's checks would name its key."""
+def check_required(args: argparse.Namespace, flags: dict, required: dict[str, tuple[str, str]]) -> None:
+    """Name a missing `required` flag (flag -> its key, what it is) as the flag, before the config's checks
+    would name its key."""
     from pathlib import Path
 
     from scratchlm.errors import ScratchlmError
@@ -89,6 +95,6 @@ def _check_required(args: argparse.Namespace, flags: dict) -> None:
             if isinstance(table, dict)
             for k in table
         }
-    for flag, (key, what) in REQUIRED.items():
+    for flag, (key, what) in required.items():
         if flag not in flags and key not in given:
             raise ScratchlmError(f"{flag} is required: {what} (or {key} in the --config file)")

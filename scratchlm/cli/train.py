@@ -11,6 +11,7 @@ Several processes (GPUs or machines): `torchrun --nproc_per_node K -m scratchlm 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from scratchlm.cli.options import (
@@ -83,13 +84,23 @@ def run(args: argparse.Namespace) -> None:
     from scratchlm.training.config import TrainConfig
 
     flags = config_flags(args, {"--init-from": ("training.init_from", args.init_from)})
+    if args.config is not None:
+        _check_pretraining(Path(args.config))
     config = TrainConfig.load(args.config, args.overrides, flags=flags)  # reported before torch loads
-    if config.sft.train:
-        from scratchlm.errors import ScratchlmError
-
-        raise ScratchlmError(
-            f"{args.config}: a config with [sft] fine-tunes: run `scratchlm sft --config FILE`"
-        )
     from scratchlm.training.trainer import train
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)
+
+
+def _check_pretraining(path: Path) -> None:
+    """A config whose stage is another command's (`[sft]`: fine-tuning) is refused with that command."""
+    from scratchlm.cli import COMMANDS
+    from scratchlm.errors import ScratchlmError
+    from scratchlm.training.config import SECTIONS, read_toml
+
+    for section in read_toml(path):
+        if section in COMMANDS and section not in SECTIONS:
+            raise ScratchlmError(
+                f"{path}: a config with [{section}] is for `scratchlm {section}`: run `scratchlm {section} "
+                "--config FILE`"
+            )

@@ -12,15 +12,17 @@ state with its checkpoints (an exact resume), and give every data-parallel rank 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from scratchlm.console import progress
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.loss import cross_entropy
 
 VALIDATION_CHUNK = 1 << 24  # ids checked per step when validating a file: 32 MiB of uint16 at a time
 
@@ -73,19 +75,18 @@ def get_batch(
 
 class TokenWindows:
     """Pretraining batches: windows of `context_length + 1` tokens at uniform random starts of `tokens`, every
-    target counted. (`scratchlm.chat.conversations.ConversationBatches` is the fine-tuning counterpart: the
-    training step reads either through `draw`, `gather` and `counted`.)"""
-
-    ignore_index = None  # every target counts
+    target counted, the loss their cross-entropy. (`scratchlm.chat.conversations.ConversationBatches` is the
+    fine-tuning counterpart: the training step reads either as `scratchlm.training.stage.Examples`.)"""
 
     def __init__(self, tokens: np.ndarray, context_length: int) -> None:
         self.tokens, self.context_length = tokens, context_length
         self.tokens_per_row = context_length  # the inputs of a row
+        self.passes = 1  # one optimizer step a batch
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def draw(self, batch_size: int, generator: np.random.Generator) -> np.ndarray:
+    def draw(self, batch_size: int, generator: np.random.Generator, policy: object = None) -> np.ndarray:
         return sample_starts(len(self.tokens), batch_size, self.context_length, generator)
 
     def counted(self, starts: np.ndarray) -> int:
@@ -95,6 +96,14 @@ class TokenWindows:
         self, starts: np.ndarray, device: str | torch.device
     ) -> tuple[Int[Tensor, "batch context"], Int[Tensor, "batch context"]]:
         return gather_batch(self.tokens, starts, self.context_length, device)
+
+    def loss(
+        self, starts: np.ndarray, model: Callable[..., Tensor], device: torch.device, fused: bool
+    ) -> Float[Tensor, ""]:
+        """The mean cross-entropy of every target of the windows at `starts`; `fused`: the model computes
+        the head and the loss together, over chunks of tokens."""
+        inputs, targets = self.gather(starts, device)
+        return model(inputs, targets=targets) if fused else cross_entropy(model(inputs), targets)
 
     def validation_batches(self, iters: int, batch_size: int, seed: int) -> list[np.ndarray]:
         """`iters` batches of windows drawn from their own generator: the same ones at every estimate."""

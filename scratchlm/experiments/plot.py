@@ -1,4 +1,5 @@
-"""Loss curves of one or more training runs, read from each run's `metrics.jsonl`, drawn as one PNG.
+"""Loss curves of one or more training runs, read from each run's `metrics.jsonl`, drawn as one PNG; or, for
+reinforcement learning runs (`metric="reward"`), their reward curves.
 
 Two panels share the loss axis: loss against gradient steps (compares sample efficiency) and against training
 wall-clock time in minutes (compares what a run costs). Each run has one colour: its validation loss is the
@@ -8,6 +9,9 @@ runs' typical initial loss, so one run that blew up does not flatten the others 
 
 The metrics are read by `scratchlm.run.read_metrics`, which skips a record still being written, so a run can
 be plotted while it trains; each curve takes the records of its kind (`TrainRecord` or `EvalRecord`).
+
+The reward curves are drawn alike: the validation's greedy pass@1 solid, the sampled replies' mean reward faint,
+and no cap (a reward does not blow up).
 """
 
 from __future__ import annotations
@@ -22,22 +26,28 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write, check_output_file
 from scratchlm.run.metrics import EvalRecord, Record, TrainRecord, read_records
 
-# curve name -> the record kind and its loss field
-CURVES: dict[str, tuple[type[Record], str]] = {
-    "train": (TrainRecord, "train_loss"),
-    "val": (EvalRecord, "val_loss"),
+# metric -> curve name -> the record kind and its field
+CURVES: dict[str, dict[str, tuple[type[Record], str]]] = {
+    "loss": {"train": (TrainRecord, "train_loss"), "val": (EvalRecord, "val_loss")},
+    "reward": {"train": (TrainRecord, "reward"), "val": (EvalRecord, "val_pass1")},
+}
+# metric -> the y axis, and the titles' words for the solid and the faint line
+AXES = {
+    "loss": ("loss (nats/token)", "validation", "train"),
+    "reward": ("reward", "validation pass@1", "train mean reward"),
 }
 
 
-def loss_curves(records: list[Record]) -> dict[str, dict[str, list[float]]]:
-    """`{"train": {"step", "time", "loss"}, "val": {...}}` from metrics records, all points, file order."""
+def loss_curves(records: list[Record], metric: str = "loss") -> dict[str, dict[str, list[float]]]:
+    """`{"train": {"step", "time", "loss"}, "val": {...}}` from metrics records, all points, file order; with
+    `metric="reward"`, the reward curves, under the key "reward"."""
     curves: dict[str, dict[str, list[float]]] = {}
-    for name, (kind, field) in CURVES.items():
-        points = [r for r in records if isinstance(r, kind)]
+    for name, (kind, field) in CURVES[metric].items():
+        points = [r for r in records if isinstance(r, kind) and getattr(r, field) is not None]
         curves[name] = {
             "step": [float(r.step) for r in points],
             "time": [float(r.time) for r in points],
-            "loss": [float(getattr(r, field)) for r in points],
+            metric: [float(getattr(r, field)) for r in points],
         }
     return curves
 
@@ -55,11 +65,13 @@ def plot_runs(
     title: str | None = None,
     size: tuple[float, float] = (12.0, 4.5),
     dpi: int = 100,
+    metric: str = "loss",
 ) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """Draw the runs' loss curves into the PNG `out` (`size` inches × `dpi` pixels per inch).
+    """Draw the runs' loss curves (or, `metric="reward"`, reward curves) into the PNG `out` (`size` inches ×
+    `dpi` pixels per inch).
 
     Returns what was drawn, read back from the figure's lines: `{label: {"train"|"val": {"step": [...],
-    "minutes": [...], "loss": [...]}}}` (only the curves a run has, only finite points).
+    "minutes": [...], "loss" (or "reward"): [...]}}}` (only the curves a run has, only finite points).
     """
     check_output_file(out, previous=_is_png, what="a PNG image")  # e.g. a run's metrics.jsonl, mistyped
     # A bare Figure on the Agg canvas: no pyplot global state, no display and no GUI toolkit needed.
@@ -85,22 +97,22 @@ def plot_runs(
     initial_losses: list[float] = []
     finite_min, finite_max = math.inf, -math.inf
     for index, (run_dir, label) in enumerate(zip(run_dirs, labels, strict=True)):
-        curves = loss_curves(read_records(run_dir))
-        diverged = any(not math.isfinite(v) for curve in curves.values() for v in curve["loss"])
+        curves = loss_curves(read_records(run_dir), metric)
+        diverged = any(not math.isfinite(v) for curve in curves.values() for v in curve[metric])
         color = colors[index % len(colors)]
         legend = f"{label} (diverged)" if diverged else label
         drawn[label] = {}
         for name, curve in curves.items():
-            finite = [i for i, v in enumerate(curve["loss"]) if math.isfinite(v)]
+            finite = [i for i, v in enumerate(curve[metric]) if math.isfinite(v)]
             if not finite:
                 continue
             steps = [curve["step"][i] for i in finite]
             minutes = [curve["time"][i] / 60 for i in finite]
-            losses = [curve["loss"][i] for i in finite]
+            losses = [curve[metric][i] for i in finite]
             initial_losses.append(losses[0])
             finite_min, finite_max = min(finite_min, *losses), max(finite_max, *losses)
             # Validation carries the legend entry; a run without validation records shows its training loss.
-            is_main = name == "val" or not curves["val"]["loss"]
+            is_main = name == "val" or not curves["val"][metric]
             style: dict[str, Any] = (
                 {"linewidth": 1.8, "marker": "o", "markersize": 3, "label": legend}
                 if name == "val"
@@ -111,29 +123,31 @@ def plot_runs(
             drawn[label][name] = {
                 "step": [float(x) for x in step_line.get_xdata()],
                 "minutes": [float(x) for x in time_line.get_xdata()],
-                "loss": [float(y) for y in step_line.get_ydata()],
+                metric: [float(y) for y in step_line.get_ydata()],
             }
     if not initial_losses:
-        raise ScratchlmError("none of the runs has a finite train_loss or val_loss record to plot")
+        fields = " or ".join(field for _, field in CURVES[metric].values())
+        raise ScratchlmError(f"none of the runs has a finite {fields} record to plot")
     # A run that blew up leaves through the top; the others keep the axis. The cap is set by the typical
     # initial loss (the median: a run can blow up before its first record).
     cap = 1.1 * statistics.median(initial_losses)
-    if finite_max > cap:
+    if metric == "loss" and finite_max > cap:
         by_step.set_ylim(finite_min - 0.05 * (cap - finite_min), cap)
 
-    _label(fig, by_step, by_time, title)
+    _label(fig, by_step, by_time, title, metric)
     with atomic_write(out, "wb") as f:
         fig.savefig(f, format="png", dpi=dpi)
     return drawn
 
 
-def _label(fig: Any, by_step: Any, by_time: Any, title: str | None) -> None:
+def _label(fig: Any, by_step: Any, by_time: Any, title: str | None, metric: str) -> None:
     """Axis labels, titles, grid and legend of the two panels."""
+    axis_label, solid, faint = AXES[metric]
     by_step.set_xlabel("gradient step")
     by_time.set_xlabel("training wall-clock time (minutes)")
-    by_step.set_ylabel("loss (nats/token)")
-    by_step.set_title("loss vs steps (solid: validation, faint: train)", fontsize=10)
-    by_time.set_title("loss vs wall-clock time", fontsize=10)
+    by_step.set_ylabel(axis_label)
+    by_step.set_title(f"{metric} vs steps (solid: {solid}, faint: {faint})", fontsize=10)
+    by_time.set_title(f"{metric} vs wall-clock time", fontsize=10)
     for axis in (by_step, by_time):
         axis.grid(True, alpha=0.3)
     by_time.legend(fontsize=8, loc="upper right")

@@ -1,8 +1,9 @@
 """`RUN/metrics.jsonl`: one JSON object per line, appended and flushed as training goes.
 
 Every record has "step", "time" (seconds of training wall-clock, continuing across resumes) and "tokens", plus
-either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu; loss_scale and skipped_steps in fp16),
-the eval fields (val_loss, val_ppl), or
+either the train fields (train_loss, lr, grad_norm, tokens_per_s, mfu; loss_scale and skipped_steps in fp16;
+reward, uniform_groups, kl, clip_fraction, reply_tokens and entropy in reinforcement learning), the eval fields
+(val_loss, val_ppl; val_pass1 in reinforcement learning, instead), or
 "setup": what each training session ran with (device, device_name, precision as "auto" resolved it, threads,
 compile), written when it starts, or "time_budget": the time budget's decision. Each kind is a dataclass here
 (`TrainRecord`, `EvalRecord`, `SetupRecord`, `BudgetRecord`), which the trainer writes and readers read
@@ -41,7 +42,10 @@ class Record:
 class TrainRecord(Record):
     """One log interval of training. `grad_norm` is None when fp16 skipped every step of the interval;
     `loss_scale` and `skipped_steps` (so far in the run) are fp16's alone; `mfu` is None where the peak is
-    unknown."""
+    unknown. The fields after them are reinforcement learning's (`scratchlm rl`), means over the interval's
+    batches of replies: the reward, the share of groups whose rewards were all equal, the KL estimate to the
+    starting model, the share of reply tokens whose ratio the clip cut, the reply's length in tokens, and the
+    policy's entropy per reply token."""
 
     train_loss: float
     lr: float | None = None
@@ -50,20 +54,34 @@ class TrainRecord(Record):
     mfu: float | None = None
     loss_scale: float | None = None
     skipped_steps: int | None = None
+    reward: float | None = None
+    uniform_groups: float | None = None
+    kl: float | None = None
+    clip_fraction: float | None = None
+    reply_tokens: float | None = None
+    entropy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         values = super().to_dict()
         if self.loss_scale is None:  # not fp16: the fields are left out of the file
             del values["loss_scale"], values["skipped_steps"]
+        if self.reward is None:  # not reinforcement learning: neither are these
+            for name in ("reward", "uniform_groups", "kl", "clip_fraction", "reply_tokens", "entropy"):
+                del values[name]
         return values
 
 
 @dataclass(frozen=True, kw_only=True)
 class EvalRecord(Record):
-    """A validation estimate."""
+    """A validation estimate: the loss (and perplexity) of held-out data, or, in reinforcement learning, the
+    share of held-out prompts whose greedy reply gets the full reward (pass@1)."""
 
-    val_loss: float
+    val_loss: float | None = None
     val_ppl: float | None = None
+    val_pass1: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name, value in super().to_dict().items() if value is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +102,7 @@ class BudgetRecord(Record):
 RECORD_KINDS: dict[str, type[Record]] = {
     "train_loss": TrainRecord,
     "val_loss": EvalRecord,
+    "val_pass1": EvalRecord,
     "setup": SetupRecord,
     "time_budget": BudgetRecord,
 }

@@ -1,6 +1,7 @@
 """The training configuration: a TOML file, command-line overrides, validated key by key.
 
-    [data]        train, valid (memory-mapped .npy token files), tokenizer (directory, optional)
+    [data]        train, valid (memory-mapped .npy token files), tokenizer (directory, optional): pretraining
+                  (scratchlm.training.inputs)
     [model]       the ModelConfig fields (shape and ablation switches)
     [optimizer]   name (adamw | sgd | muon), lr, min_lr, betas, eps, weight_decay, grad_clip, embedding_lr,
                   head_lr, muon_lr, muon_momentum, muon_nesterov, muon_ns_steps, muon_bf16, muon_weight_decay
@@ -13,8 +14,15 @@
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
-    [sft]         base, train, valid, valid_fraction, added_tokens: fine-tuning on conversations, which
-                  replaces [data] (scratchlm.chat.sft: the section beside what it configures)
+    [sft]         base, train, valid, valid_fraction, added_tokens: fine-tuning on conversations (the chat
+                  package's `sft` module, which registers it)
+    [rl]          base, train, valid, valid_fraction, reward, reward_timeout_s, group_size, temperature,
+                  max_reply_tokens, normalize_std, length_norm, clip_eps, epochs_per_batch, kl_coef:
+                  reinforcement learning on prompts with answers (the chat package's `rl.stage` module)
+
+[data], [sft] and [rl] are stages' sections: a config holds exactly one, which says where the run's batches
+and its loss come from (`scratchlm.training.stage`); each is defined and registered beside its stage's code
+(the command of a stage imports it), and a config without one is pretraining's.
 
 Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`,
 the value read as a TOML literal, or as a plain string when it is not one: `training.device=cuda`) is checked
@@ -36,22 +44,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from scratchlm.chat.sft import SFTConfig
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import to_toml, toml_value
 from scratchlm.model.config import ModelConfig
 from scratchlm.parallel import ParallelName
 from scratchlm.precisions import Precision
+from scratchlm.training.inputs import PRETRAINING
 from scratchlm.training.optimizers import OptimizerConfig
 from scratchlm.training.recipes import merged
 from scratchlm.training.schedule import ScheduleConfig
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    train: str = ""  # training tokens (.npy); required
-    valid: str = ""  # validation tokens (.npy); required
-    tokenizer: str | None = None  # tokenizer directory, recorded for generation
+from scratchlm.training.stage import STAGES
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,8 @@ class LoggingConfig:
     peak_tflops: float = 0.0  # accelerator peak for the MFU estimate; 0: look it up for known GPUs
 
 
+# The sections every config has; besides them, one stage's (`STAGES`).
 SECTIONS: dict[str, type] = {
-    "data": DataConfig,
     "model": ModelConfig,
     "optimizer": OptimizerConfig,
     "schedule": ScheduleConfig,
@@ -117,13 +119,25 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
-    "sft": SFTConfig,
 }
+
+
+def _section_type(name: str) -> type | None:
+    return SECTIONS.get(name) or (STAGES[name].config if name in STAGES else None)
+
+
+def _known() -> str:
+    """The sections a config may have: pretraining's first, then those of every config, then the other
+    stages' registered so far."""
+    others = [name for name in STAGES if name != PRETRAINING.section]
+    return ", ".join([PRETRAINING.section, *SECTIONS, *others])
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: DataConfig = field(default_factory=DataConfig)
+    """A run's configuration: the sections of `SECTIONS`, and `stage`, the one stage's section (pretraining's
+    `[data]` by default), read as the attribute of its name (`config.data`, `config.sft`)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -131,7 +145,18 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    stage: Any = field(default_factory=PRETRAINING.config)
+
+    def __getattr__(self, name: str) -> Any:
+        """The stage's section by its name: `config.data`, `config.sft`."""
+        if name != "stage" and name == self.stage_name:
+            return self.stage
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+
+    @property
+    def stage_name(self) -> str:
+        """The name of the stage's section (a key of `STAGES`)."""
+        return next(name for name, stage in STAGES.items() if isinstance(self.stage, stage.config))
 
     @classmethod
     def load(
@@ -140,11 +165,12 @@ class TrainConfig:
         overrides: list[str] | tuple[str, ...] = (),
         defaults: dict[str, dict[str, Any]] | None = None,
         flags: dict[str, tuple[str, Any]] | None = None,
+        stage: str = PRETRAINING.section,
     ) -> TrainConfig:
         """Defaults (the dataclasses', then `defaults`: a command's own, such as fine-tuning's), then the TOML
         file at `path` (if any), then `flags`, then the `section.key=value` overrides. `flags` are a command's
         own options for config keys, each named as the user typed it so that an error names it too:
-        `{"--out": ("logging.run_dir", "runs/x")}`."""
+        `{"--out": ("logging.run_dir", "runs/x")}`. `stage`: the stage's section when the values name none."""
         values, source = merged(defaults or {}, {}), "config"
         if path is not None:
             path, source = Path(path), str(path)
@@ -152,39 +178,42 @@ class TrainConfig:
         settings = [(flag, *key.split(".", 1), value) for flag, (key, value) in (flags or {}).items()]
         settings += [(f"--set {override}", *parse_override(override)) for override in overrides]
         for name, section, key, value in settings:
-            _build_section(section, SECTIONS.get(section), {key: value}, name, construct=False)
+            _build_section(section, _section_type(section), {key: value}, name, construct=False)
             values.setdefault(section, {})[key] = value
         given = [*(flags or {}), *(["--set overrides"] if overrides else [])]
         if given:
             source = f"{source} with {', '.join(given)}" if path is not None else ", ".join(given)
-        return cls.from_dict(values, source)
+        return cls.from_dict(values, source, stage)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
-        unknown = sorted(set(values) - set(SECTIONS))
+    def from_dict(
+        cls, values: dict[str, Any], source: str = "config", stage: str = PRETRAINING.section
+    ) -> TrainConfig:
+        """The config of `values` (section -> key -> value); `stage`: the stage's section when `values` name
+        none."""
+        unknown = sorted(set(values) - set(SECTIONS) - set(STAGES))
         if unknown:
+            raise ScratchlmError(f"{source}: unknown section(s) {', '.join(unknown)}; known: {_known()}")
+        stages = [name for name in STAGES if name in values]
+        if len(stages) > 1:
             raise ScratchlmError(
-                f"{source}: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}"
+                f"{source}: [{'] and ['.join(stages)}] are different stages' sections; a config has one"
             )
+        stage = stages[0] if stages else stage
         sections = {}
-        for name, section_type in SECTIONS.items():
+        for name, section_type in [*SECTIONS.items(), (stage, STAGES[stage].config)]:
             section_values = values.get(name, {})
             if not isinstance(section_values, dict):
                 raise ScratchlmError(f"{source}: [{name}] must be a table of settings")
             sections[name] = _build_section(name, section_type, section_values, source)
-        config = cls(**sections)
+        config = cls(**{name: sections.pop(name) for name in SECTIONS}, stage=sections[stage])
         config._check(source)
         return config
 
     def _check(self, source: str) -> None:
         """Checks across keys (types are checked when reading)."""
         t = self.training
-        if self.sft.train:
-            self.sft.check(source)
-        else:
-            for key in ("train", "valid"):
-                if not getattr(self.data, key):
-                    raise ScratchlmError(f"{source}: data.{key} is required (a .npy file of token ids)")
+        self.stage.check(source)
         positive = {
             "training.batch_size": t.batch_size,
             "training.grad_accum": t.grad_accum,
@@ -258,7 +287,9 @@ class TrainConfig:
         return math.ceil(self.training.max_tokens / (self.training.batch_size * self.model.context_length))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: _section_dict(getattr(self, name)) for name in SECTIONS}
+        """Section -> key -> value, the stage's section first."""
+        sections = {self.stage_name: self.stage} | {name: getattr(self, name) for name in SECTIONS}
+        return {name: _section_dict(section) for name, section in sections.items()}
 
     def to_toml(self, notes: dict[str, str] | None = None) -> str:
         """The config as TOML; `notes` ("section.key" -> text) become comments after those keys."""
@@ -269,7 +300,7 @@ class TrainConfig:
         values = self.to_dict()
         for name, changes in sections.items():
             values.setdefault(name, {}).update(changes)
-        return TrainConfig.from_dict(values)
+        return TrainConfig.from_dict(values, stage=self.stage_name)
 
 
 # The longest time budget accepted, a year: a longer one is a slip (seconds typed as minutes, an exponent too
@@ -391,7 +422,7 @@ def _build_section(
 ) -> Any:
     """The section `name` built from `values`, each checked against its type; `construct=False` only checks."""
     if section_type is None:
-        raise ScratchlmError(f"{source}: unknown section(s) {name}; known: {', '.join(SECTIONS)}")
+        raise ScratchlmError(f"{source}: unknown section(s) {name}; known: {_known()}")
     hints = typing.get_type_hints(section_type)
     known = [f.name for f in dataclasses.fields(section_type)]
     unknown = sorted(set(values) - set(known))
@@ -470,12 +501,19 @@ def config_differences(
     This is the one comparison of configs: a resumed run against its record (every section, less
     `CHANGEABLE_ON_RESUME`), `training.init_from` against the model it starts from (`sections=("model",)`,
     less the fields that only choose how it is computed), and the quickstart's run against its recipe.
-    `changeable` holds "section.key" names, or "section.*" for a whole section."""
-    before = {**_flat(TrainConfig().to_dict()), **_flat(recorded)}
+    `changeable` holds "section.key" names, or "section.*" for a whole section. Only the sections of `current`
+    are compared: a record of another stage's section (one written when every config held every stage's) is
+    not a difference."""
+    defaults = {name: _section_dict(stage.config()) for name, stage in STAGES.items()}
+    before = {**_flat(defaults | TrainConfig().to_dict()), **_flat(recorded)}
     after = _flat(current if isinstance(current, dict) else current.to_dict())
+    compared = {key.partition(".")[0] for key in after}
     return [
         (key, before.get(key), after.get(key))
-        for key in [*after, *(key for key in before if key not in after)]
+        for key in [
+            *after,
+            *(key for key in before if key not in after and key.partition(".")[0] in compared),
+        ]
         if before.get(key) != after.get(key)
         and (sections is None or key.partition(".")[0] in sections)
         and key not in changeable

@@ -1,40 +1,38 @@
-"""What a training run reads: its token files (or, fine-tuning, its conversations) and its tokenizer, checked
-before anything is written."""
+"""Pretraining's stage: its `[data]` section, and what it reads, checked before anything is written: the
+training and validation token files, as windows (`scratchlm.data.tokens.TokenWindows`), and the tokenizer that
+made them, if the config names one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scratchlm.data.tokens import TokenWindows, load_tokens
 from scratchlm.errors import ScratchlmError
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import check_pair
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.config import TrainConfig
-from scratchlm.training.step import Batches
+from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
+
+if TYPE_CHECKING:
+    from scratchlm.training.config import TrainConfig
 
 
 @dataclass(frozen=True)
-class TrainingData:
-    """What a run reads: its training and validation batches (windows of memory-mapped tokens checked against
-    the model's vocabulary, or conversations) and its tokenizer (`data.tokenizer`, if set, or the base's with
-    the chat template), checked against the model and the copy in the run directory, which a resumed run must
-    not change."""
+class DataConfig:
+    train: str = ""  # training tokens (.npy); required
+    valid: str = ""  # validation tokens (.npy); required
+    tokenizer: str | None = None  # tokenizer directory, recorded for generation
 
-    train: Batches
-    valid: Batches
-    tokenizer: Tokenizer | None
+    def check(self, source: str) -> None:
+        for key in ("train", "valid"):
+            if not getattr(self, key):
+                raise ScratchlmError(f"{source}: data.{key} is required (a .npy file of token ids)")
 
 
-def load_training_data(config: TrainConfig, run_dir: RunDirectory) -> TrainingData:
-    """Token windows of `[data]`, or, for fine-tuning (`[sft]`), the conversations of `sft.train`."""
-    if config.sft.train:
-        from scratchlm.chat.sft import load_conversations
-
-        train, valid, tokenizer = load_conversations(config)
-        _check_run_copy(tokenizer, f"the chat tokenizer of sft.base {config.sft.base}", run_dir)
-        return TrainingData(train, valid, tokenizer)
+def load_token_windows(config: TrainConfig, run_dir: RunDirectory) -> TrainingData:
+    """Windows of the token files of `[data]`, checked against the model's vocabulary, and its tokenizer."""
     m = config.model
     train_tokens = load_tokens(config.data.train, m.vocab_size, m.context_length)
     valid_tokens = load_tokens(config.data.valid, m.vocab_size, m.context_length)
@@ -43,6 +41,9 @@ def load_training_data(config: TrainConfig, run_dir: RunDirectory) -> TrainingDa
         TokenWindows(valid_tokens, m.context_length),
         _load_tokenizer(config, run_dir),
     )
+
+
+PRETRAINING = register_stage(Stage("data", DataConfig, load_token_windows))
 
 
 def _load_tokenizer(config: TrainConfig, run_dir: RunDirectory) -> Tokenizer | None:
@@ -56,14 +57,5 @@ def _load_tokenizer(config: TrainConfig, run_dir: RunDirectory) -> Tokenizer | N
         )
     tokenizer = Tokenizer.from_dir(config.data.tokenizer)
     check_pair(config.model, tokenizer, None, f"data.tokenizer {config.data.tokenizer}", "[model]")
-    _check_run_copy(tokenizer, f"data.tokenizer {config.data.tokenizer}", run_dir)
+    check_run_tokenizer(tokenizer, f"data.tokenizer {config.data.tokenizer}", run_dir)
     return tokenizer
-
-
-def _check_run_copy(tokenizer: Tokenizer, name: str, run_dir: RunDirectory) -> None:
-    """A resumed run must not change its tokenizer."""
-    copy = run_dir.tokenizer_dir
-    if copy.is_dir() and Tokenizer.from_dir(copy).fingerprint != tokenizer.fingerprint:
-        raise ScratchlmError(
-            f"{name} is not the tokenizer this run was trained with ({copy}); use another logging.run_dir"
-        )

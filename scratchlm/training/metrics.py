@@ -101,6 +101,8 @@ def _format(record: dict[str, Any], total_steps: int | None) -> str:
     head = f"step {record['step']:>{len(shown)}}/{shown}"
     if "val_loss" in record:
         return f"{head} │ [bold]val loss {record['val_loss']:.4f}[/] │ val ppl {record['val_ppl']:.2f}"
+    if "val_pass1" in record:
+        return f"{head} │ [bold]val pass@1 {record['val_pass1']:.1%}[/]"
     # MFU is left out where the device's peak is unknown (CPUs, unless logging.peak_tflops says it).
     mfu = "" if record["mfu"] is None else f" │ mfu {record['mfu']:.1%}"
     norm = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"  # n/a: all steps skipped
@@ -110,7 +112,13 @@ def _format(record: dict[str, Any], total_steps: int | None) -> str:
         if "loss_scale" in record
         else ""
     )
+    # reinforcement learning: the mean reward and the reply's length
+    rewards = (
+        f" │ reward {record['reward']:.3f} │ reply {record['reply_tokens']:.1f} tokens"
+        if "reward" in record
+        else ""
+    )
     return (
-        f"{head} │ loss {record['train_loss']:.4f} │ lr {record['lr']:.2e} │ grad norm {norm}"
+        f"{head} │ loss {record['train_loss']:.4f}{rewards} │ lr {record['lr']:.2e} │ grad norm {norm}"
         f" │ {record['tokens_per_s']:,.0f} tok/s{mfu}{scaling}"
     )

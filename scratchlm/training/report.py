@@ -181,10 +181,13 @@ class Reporter:
         if self.logger is not None:
             self.logger.log(TrainRecord(**self._head(step, elapsed_s), **fields).to_dict())
 
-    def evaluation(self, step: int, elapsed_s: float, loss: float) -> None:
+    def evaluation(self, step: int, elapsed_s: float, loss: float | None, **fields: float) -> None:
+        """A validation estimate: its loss (None for a stage that measures something else), or a stage's own
+        `EvalRecord` fields (`val_pass1`)."""
         if self.logger is not None:
-            ppl = math.exp(min(loss, 700.0))
-            self.logger.log(EvalRecord(**self._head(step, elapsed_s), val_loss=loss, val_ppl=ppl).to_dict())
+            if loss is not None:
+                fields |= {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+            self.logger.log(EvalRecord(**self._head(step, elapsed_s), **fields).to_dict())
 
     def decision(
         self, step: int, elapsed_s: float, decision: BudgetDecision, revised: bool, budget: TimeBudget

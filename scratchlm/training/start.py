@@ -30,6 +30,7 @@ from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
 from scratchlm.training.distributed import Distributed, all_reduce
+from scratchlm.training.stage import STAGES
 
 
 @dataclass
@@ -122,12 +123,13 @@ def start_from_weights(
 ) -> None:
     """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
     continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
-    and its tokenizer, when both are known, the one of `data.tokenizer`. Fine-tuning to chat (`[sft]`) may
-    have added the chat template's tokens: the rows for them are added too (`grow_vocabulary`)."""
+    and its tokenizer, when both are known, this run's. A stage that grows the vocabulary (fine-tuning to
+    chat, which adds the chat template's tokens) gets rows for them (`grow_vocabulary`)."""
     path, _ = find_checkpoint(config.training.init_from)
     checkpoint = Checkpoint.read(path)
     base_vocab = checkpoint.model_config.vocab_size
-    grows = bool(config.sft.train) and base_vocab < config.model.vocab_size
+    grows_vocabulary = STAGES[config.stage_name].grows_vocabulary
+    grows = grows_vocabulary and base_vocab < config.model.vocab_size
     differing = [
         f"{key} = {ours!r}, theirs {theirs!r}"
         for key, theirs, ours in config_differences(
@@ -142,14 +144,14 @@ def start_from_weights(
         raise ScratchlmError(
             f"training.init_from: the model of {path} is not the one [model] describes ({'; '.join(differing)})"
         )
-    # A fine-tuning run's tokenizer is the base's with the chat tokens, checked against the base when loaded.
-    if tokenizer is not None and not config.sft.train:
+    # Such a run's tokenizer is the base's with the chat tokens, checked against the base when loaded.
+    if tokenizer is not None and not grows_vocabulary:
         try:
             check_pair(config.model, tokenizer, checkpoint.tokenizer_fingerprint)
         except ScratchlmError:
             raise ScratchlmError(
-                f"training.init_from: {path} was trained with another tokenizer than data.tokenizer "
-                f"({config.data.tokenizer})"
+                f"training.init_from: {path} was trained with another tokenizer than this run's"
+                + (f" (data.tokenizer {config.data.tokenizer})" if config.stage_name == "data" else "")
             ) from None
     if grows:
         checkpoint = dataclasses.replace(

@@ -3,11 +3,12 @@
 At step number t (1-based):
 
     lr ← schedule(t)   (sized by the time budget when there is one)
-    draw `batch_size` windows of the training tokens, or conversations when fine-tuning (the global batch;
-    this process takes its slice)
-    for each of the `grad_accum` micro-batches:  loss = cross_entropy(model(x), y) × its share of the
+    draw `batch_size` rows of the stage's examples: windows of tokens, conversations, replies (the global
+    batch; this process takes its slice)
+    for each of the `grad_accum` micro-batches:  loss = the stage's loss of its rows × their share of the
         batch's counted targets (1 / grad_accum for windows);  backward
     clip the gradients to norm `grad_clip`;  optimizer step;  zero the gradients
+    (a stage whose batch takes several optimizer steps, `Examples.passes`, repeats the last three lines on it)
 
 Every process draws the same window positions from the same generator and keeps its own slice, so the data a
 step sees does not depend on how many processes share it: two processes give the same run as one with the
@@ -24,11 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from scratchlm.chat.conversations import ConversationBatches
-from scratchlm.data.tokens import TokenWindows
 from scratchlm.device import Plan
 from scratchlm.errors import DivergedError
-from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.parallel import Execution
 from scratchlm.run.checkpoint import Checkpoint, TrainingState
@@ -38,8 +36,7 @@ from scratchlm.training.config import TrainConfig
 from scratchlm.training.distributed import Distributed, all_reduce
 from scratchlm.training.grad import clip_grad_norm
 from scratchlm.training.loss_scale import LossScaler
-
-Batches = TokenWindows | ConversationBatches  # pretraining windows, or fine-tuning conversations
+from scratchlm.training.stage import Examples
 
 EVAL_SEED_OFFSET = 1_000_003  # the validation batches come from their own generator: the same ones every time
 
@@ -74,36 +71,45 @@ class TrainStep:
         self,
         step: int,
         budget: TimeBudget,
-        batches: Batches,
+        batches: Examples,
         generator: np.random.Generator,
         run: RunDirectory,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The gradients of step `step` (1-based) at the schedule's rate; returns the (device-resident) mean
         loss, the gradient norm before clipping, and whether the update may be applied (fp16 skips a step
-        whose gradients overflowed)."""
+        whose gradients overflowed, and a batch whose rows count no target teaches nothing)."""
         t = self.config.training
         lr = budget.schedule(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_scale"]
-        drawn = batches.draw(t.batch_size, generator)
+        with self.autocast:  # a stage that samples its rows scores them as its loss will
+            drawn = batches.draw(t.batch_size, generator, self.model)
+        self.pending = (step, batches, drawn, run)
+        return self._backward()
+
+    def _backward(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The gradients of the drawn batch (`gradients`), clipped."""
+        step, batches, drawn, run = self.pending
+        t = self.config.training
         per_process = t.batch_size // self.dist.world_size
         mine = drawn[self.dist.rank * per_process : (self.dist.rank + 1) * per_process]
         # The loss is the mean over every counted target of the global batch: each micro-batch's mean is
         # weighted by its share of them (1 / grad_accum for windows, where every target counts), times the
-        # processes, whose gradients DDP (or FSDP) averages.
+        # processes, whose gradients DDP (or FSDP) averages. Rows that count nothing (the replies of a group
+        # that teaches nothing) are skipped, which only a stage that runs in one process has.
         total = batches.counted(drawn)
         loss_sum = torch.zeros((), device=self.device)
+        if not total:
+            return loss_sum, torch.zeros((), device=self.device), False
         for k in range(t.grad_accum):
             batch = mine[k * self.micro_batch : (k + 1) * self.micro_batch]
-            divisor = total / (batches.counted(batch) * self.dist.world_size)
-            inputs, targets = batches.gather(batch, self.device)
+            counted = batches.counted(batch)
+            if not counted:
+                continue
+            divisor = total / (counted * self.dist.world_size)
             with self.execution.gradient_sync(last=k == t.grad_accum - 1):
                 with self.autocast:
-                    if self.fused_loss and batches.ignore_index is None:
-                        loss = self.train_model(inputs, targets=targets) / divisor
-                    else:
-                        logits = self.train_model(inputs)
-                        loss = cross_entropy(logits, targets, batches.ignore_index) / divisor
+                    loss = batches.loss(batch, self.train_model, self.device, self.fused_loss) / divisor
                 self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.model.parameters())
@@ -115,9 +121,16 @@ class TrainStep:
         return loss_sum, grad_norm, applied
 
     def update(self, applied: bool) -> None:
+        """Apply the gradients of `gradients` (if `applied`), then take the batch's further passes, each
+        gradients and update (reinforcement learning's `rl.epochs_per_batch`)."""
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for _ in range(1, self.pending[1].passes):
+            _, _, applied = self._backward()
+            if applied:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def checkpoint(
         self, step: int, data_rng: dict[str, Any], elapsed_s: float, budget: TimeBudget, whole: bool = True
@@ -142,7 +155,7 @@ class TrainStep:
         return Checkpoint.of(self.model, step, optimizer=self.optimizer.state_dict(), training=training)
 
     @torch.no_grad()
-    def validation_loss(self, batches: Batches) -> float:
+    def validation_loss(self, batches: Examples) -> float:
         """Mean loss over the counted targets of the validation batches (`eval.iters` of them, the same ones
         every time). Each process takes its share of every batch and runs it in chunks of the training
         micro-batch (which fits in memory). Under FSDP every forward pass gathers parameters with all the
@@ -158,9 +171,9 @@ class TrainStep:
             largest = math.ceil(len(indices) / self.dist.world_size)
             for chunk in np.array_split(mine, max(1, math.ceil(largest / self.micro_batch))):
                 if len(chunk) or lockstep:
-                    inputs, targets = batches.gather(chunk if len(chunk) else indices[:1], self.device)
+                    rows = chunk if len(chunk) else indices[:1]
                     with self.autocast:
-                        loss = cross_entropy(self.forward_model(inputs), targets, batches.ignore_index)
+                        loss = batches.loss(rows, self.forward_model, self.device, fused=False)
                     if len(chunk):
                         total += loss * batches.counted(chunk)
         self.model.train()

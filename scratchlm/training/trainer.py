@@ -2,7 +2,8 @@
 
 A session is made of components, each built by a function of the config before the loop starts:
 
-    the data            `load_training_data`, checked before the run directory is claimed   (inputs.py)
+    the data            `load_training_data`: the stage's, checked before the run directory is claimed
+                                                                                             (stage.py)
     the model           `build_model`, its weights drawn from `training.seed`
     the optimizer       `build_optimizer`, over the parameter groups the model declares     (optimizers.py)
     the starting point  `restore` (resume) or `start_from_weights` (`training.init_from`), with the time
@@ -46,11 +47,11 @@ from scratchlm.run.sharded import save_sharded
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.training.config import TrainConfig, TrainingConfig
 from scratchlm.training.distributed import Distributed, all_reduce, init_distributed, shutdown_distributed
-from scratchlm.training.inputs import TrainingData, load_training_data
 from scratchlm.training.loss_scale import LossScaler
 from scratchlm.training.optimizers import build_optimizer
 from scratchlm.training.report import Interval, Reporter, how_to_resume
 from scratchlm.training.signals import StopRequest
+from scratchlm.training.stage import STAGES, TrainingData, load_training_data
 from scratchlm.training.start import Progress, restore, start_from_weights
 from scratchlm.training.step import TrainStep
 
@@ -170,6 +171,7 @@ class _Run:
         self.config, self.run_dir, self.data = session.config, session.run_dir, session.data
         self.dist, self.device, self.choices = session.dist, session.device, session.choices
         self.model, self.stepper = model, stepper
+        self.stage = STAGES[self.config.stage_name]
         self.step, self.last_saved = progress.step, progress.last_saved  # last_saved: the newest checkpoint's
         self.generator, self.budget = progress.generator, progress.budget
         self.elapsed_before = progress.elapsed_s
@@ -286,11 +288,17 @@ class _Run:
             # fp16: the scale, and the steps skipped so far for overflowed gradients
             loss_scale=scaler.scale if scaler.enabled else None,
             skipped_steps=scaler.skipped if scaler.enabled else None,
+            **(self.stage.train_metrics(self.data.train) if self.stage.train_metrics else {}),
         )
 
     def _evaluate(self) -> None:
+        """The stage's validation: the loss of the validation batches, or the stage's own measure."""
+        self.last_eval = self.step
+        if (evaluate := self.stage.evaluate) is not None:
+            self.report.evaluation(self.step, self._elapsed(), None, **evaluate(self.data.valid, self.model))
+            return
         loss = self.stepper.validation_loss(self.data.valid)
-        self.final_val_loss, self.last_eval = loss, self.step
+        self.final_val_loss = loss
         self.report.evaluation(self.step, self._elapsed(), loss)
 
     def _maybe_stop(self, at_log: bool) -> bool:
