@@ -109,8 +109,10 @@ def request(
 
 
 def serve_command(run_dir: Path, *options: str) -> tuple[subprocess.Popen, str]:
-    """`scratchlm serve --run RUN_DIR --port P *options` started as a process, once it answers `/info`: the
-    process (stdout and stderr together, as text) and its URL. The caller stops it."""
+    """`scratchlm serve --run RUN_DIR --port P --no-compile *options` started as a process, once it answers
+    `/info`: the process (stdout and stderr together, as text) and its URL. The caller stops it. Without
+    compiling its decode step, which would take the server a minute to start here (the compiled engine is
+    tested in-process, `test_a_compiled_engine_gives_the_tokens_of_an_eager_one`)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     command = [
@@ -122,6 +124,7 @@ def serve_command(run_dir: Path, *options: str) -> tuple[subprocess.Popen, str]:
         str(run_dir),
         "--port",
         str(port),
+        "--no-compile",
         *options,
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

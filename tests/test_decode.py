@@ -189,3 +189,21 @@ def test_a_cuda_plan_compiles_as_cuda_graphs(monkeypatch):
     monkeypatch.setattr(device_choices, "compiler_found", lambda device: (True, "Triton 3"))
     choice = device_choices.choose_decode(True, torch.device("cuda"))
     assert choice.value and "CUDA graphs" in choice.reason
+
+
+def test_weights_held_by_columns_get_a_copy_by_rows_for_the_compiled_step():
+    """Where the plan holds wide matrices by columns (the eager one-token product's fastest layout on some
+    CPUs), the compiled step reads a copy by rows; the parameters, their layout and the state dict stay."""
+    from scratchlm.model.layers import lay_out_for_inference
+
+    model = small_model(vocab_size=97, d_ff=96)
+    keys = set(model.state_dict())
+    lay_out_for_inference(model, wide_by_columns=True)
+    head = model.lm_head.weight
+    assert head.stride(-1) != 1  # held by columns
+    batch = prompts(2, 4)
+    eager = generate(model, batch, 16, temperature=0, compile=False)
+    assert generate(model, batch, 16, temperature=0, compile=True) == eager
+    assert model.lm_head.weight_by_rows is not None and model.lm_head.weight_by_rows.is_contiguous()
+    torch.testing.assert_close(model.lm_head.weight_by_rows, head, rtol=0, atol=0)
+    assert model.lm_head.weight.stride() == head.stride() and set(model.state_dict()) == keys

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PROJECT_ROOT
 from test_trainer import records, small_config
 
 from scratchlm.cli import main
@@ -663,6 +664,18 @@ def test_doctor_reports_the_device_and_the_choices_train_then_uses(tmp_path, cap
         report["threads"]["value"],
         report["compile"]["value"],
     )
+
+
+@pytest.mark.parametrize("shipped", ["chat-sft.toml", "chat-rl.toml"])
+def test_doctor_reads_the_configs_of_the_other_stages(shipped, capsys):
+    """A fine-tuning or reinforcement-learning config's section is known to `doctor` too, and the report
+    names the decode step's choice."""
+    assert (
+        main(["doctor", "--json", "--no-compile-check", "--config", str(PROJECT_ROOT / "configs" / shipped)])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["decode"]) == {"value", "reason", "measured"} and "decode_timings" in report
 
 
 def test_doctor_prints_a_table_and_checks_its_options(capsys):

@@ -357,3 +357,23 @@ def test_a_tokenizer_the_model_was_not_trained_with_is_refused(trained_files, tm
     assert main(["generate", "--checkpoint", str(checkpoint), "--tokenizer", str(tmp_path / "other")]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "was trained with" in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-compile"]])
+def test_cli_says_how_it_decodes_and_no_compile_keeps_it_eager(
+    trained_files, capsys: pytest.CaptureFixture, monkeypatch, flag
+) -> None:
+    """`generate` names the decode step's choice when it starts; `--no-compile` never compiles, and without
+    it a 10-token generation does not compile either (compiling would not pay for itself)."""
+    from scratchlm.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    _, _, checkpoint = trained_files
+    argv = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "10", "--device", "cpu", *flag]
+    assert main([*argv, "--precision", "fp32", "--prompt", "Un été"]) == 0
+    err = capsys.readouterr().err
+    assert "decode step: " in err
+    assert ("--no-compile: eager decode steps" in err) == bool(flag)

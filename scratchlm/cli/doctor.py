@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> None:
         raise ScratchlmError("--world estimates a config's training memory: give --config FILE")
     if args.world is not None and args.world < 1:
         raise ScratchlmError(f"--world must be at least 1, got {args.world}")
+    if args.config:
+        register_stages(args.config)
     # A mistake in the config is reported before torch loads.
     config = TrainConfig.load(args.config, args.overrides) if args.config else None
     t = config.training if config is not None else training_section(args.overrides)
@@ -158,6 +160,27 @@ def run(args: argparse.Namespace) -> None:
         print_memory(wide, report["memory"])
     for warning in choices.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)
+
+
+# The stages whose config sections their own modules register (`scratchlm.training.stage`), by section.
+STAGE_MODULES = {"sft": "scratchlm.chat.sft", "rl": "scratchlm.chat.rl.stage"}
+
+
+def register_stages(path: str) -> None:
+    """Import the module of each stage `path` has a section of, so that its section is known."""
+    import importlib
+    from pathlib import Path
+
+    from scratchlm.errors import ScratchlmError
+    from scratchlm.training.config import read_toml
+
+    try:
+        sections = read_toml(Path(path))
+    except (ScratchlmError, OSError):
+        return  # `TrainConfig.load` reports it
+    for section, module in STAGE_MODULES.items():
+        if section in sections:
+            importlib.import_module(module)
 
 
 def memory_budget(profile: DeviceProfile) -> MemoryBudget | None:

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> None:
     options = sampling_options(args)
     if args.num_samples < 1:
         raise ScratchlmError(f"--num-samples must be at least 1, got {args.num_samples}")
-    trained, _ = load_for_inference(args, require_tokenizer=True)
+    trained, choices = load_for_inference(args, require_tokenizer=True)
+    console.print(f"decode step: {choices.decode.reason}", style="dim")
     model, tokenizer = trained.model, trained.tokenizer
     device = next(model.parameters()).device
     eos_id = tokenizer.eos_id

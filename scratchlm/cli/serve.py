@@ -72,6 +72,12 @@ def run(args: argparse.Namespace) -> None:
             compiled=choices.decode.value,
         )
         console.print(f"decode step: {choices.decode.reason}", style="dim")
+        if choices.decode.value:
+            buckets = ", ".join(map(str, engine.buckets()))
+            console.print(
+                f"compiling the decode step for batches of {buckets} before serving (seconds each, less once "
+                "Inductor's cache holds them; --no-compile skips it)"
+            )
         engine.warm_up(lambda line: console.print(line, style="dim"))
         server = build_server(engine, tokenizer, name, args.host, port, args.api_key)
         engine.start()

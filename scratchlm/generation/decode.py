@@ -50,7 +50,7 @@ from scratchlm.device.decode_timings import (
     worth_compiling,
 )
 from scratchlm.model.kv_cache import KVCache, WholeWindowKVCache
-from scratchlm.model.layers import lay_out_for_inference
+from scratchlm.model.layers import hold_rows_for_decoding
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.precisions import DTYPE_NAMES
 
@@ -94,10 +94,11 @@ class Decoder:
         self._tokens: dict[int, Tensor] = {}
         self._function: Callable | None = None
         if compiled and not self.cache.layers[0].keys.is_cuda:
-            # The compiled step's matrix-vector loops read each weight row by row (`Linear.forward`): the
-            # wide matrices, held by columns for the eager one-token product where that measured faster
-            # (`Plan.matvec`), are laid out by rows again, in place.
-            lay_out_for_inference(model, wide_by_columns=False)
+            # The compiled one-token step's matrix-vector loops read each weight row by row
+            # (`Linear.forward`), while the products of several tokens (prefill, a batch of rows) stay
+            # fastest on the wide matrices held by columns where `Plan.matvec` measured that: those get a
+            # copy by rows.
+            hold_rows_for_decoding(model)
         if compiled:
             on_gpu = self.cache.layers[0].keys.is_cuda
             # dynamic=False: a graph per bucket, each at fixed shapes. On a GPU, "reduce-overhead" records the

@@ -50,14 +50,20 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         std = math.sqrt(2.0 / (in_features + out_features))
         self.weight = _truncated_normal(out_features, in_features, std, device, dtype)
+        # W by rows, for a compiled one-token step on a CPU, where `weight` is held by columns
+        # (`hold_rows_for_decoding`); None: `weight` itself.
+        self.weight_by_rows: Tensor | None = None
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        if torch.compiler.is_compiling() and is_one_token_on_cpu(x) and self.weight.stride(-1) == 1:
+        if torch.compiler.is_compiling() and is_one_token_on_cpu(x):
             # A compiled one-token step on a CPU (`scratchlm.generation.decode`): written as a product and a
-            # sum, the matrix-vector product becomes a loop Inductor generates, vectorised and spread over
-            # the threads, reading each row of W once; the BLAS's own matrix-vector kernel runs on one thread
-            # (measured on a 2-core Zen 3 EPYC, the TinyStories model's matrices: 15.7 GB/s against 5).
-            return (x.unsqueeze(-2) * self.weight).sum(-1)
+            # sum over W's rows, the matrix-vector product becomes a loop Inductor generates, vectorised and
+            # spread over the threads, reading each row of W once; the BLAS's matrix-vector kernel runs on
+            # one thread (measured on a 2-core Zen 3 EPYC, the TinyStories model's matrices: 15.7 GB/s
+            # against 5).
+            by_rows = self.weight if self.weight_by_rows is None else self.weight_by_rows
+            if by_rows.stride(-1) == 1:
+                return (x.unsqueeze(-2) * by_rows).sum(-1)
         # `matmul` folds the leading dimensions into one (tokens × d_in) @ (d_in × d_out) product; an einsum
         # over "..." would run a batched product against an expanded copy of W, twice as slow on CPU.
         return x @ self.weight.T
@@ -133,6 +139,16 @@ def lay_out_for_inference(model: nn.Module, wide_by_columns: bool) -> None:
         if isinstance(module, Linear) and id(module) not in stacked and is_wide(module.weight):
             weight = module.weight.data
             module.weight.data = by_columns(weight) if wide_by_columns else weight.contiguous()
+
+
+def hold_rows_for_decoding(model: nn.Module) -> None:
+    """Give every `Linear` whose weight is held by columns (`lay_out_for_inference`) a copy by rows, which a
+    compiled one-token step on a CPU reads (`Linear.forward`); everything else keeps reading the columns.
+    The copies cost the wide matrices' memory once more, and are taken now: weights changed later are not
+    seen by compiled steps."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.stride(-1) != 1:
+            module.weight_by_rows = module.weight.detach().contiguous()
 
 
 class Embedding(nn.Module):
