@@ -121,6 +121,7 @@ def fine_tune(
         "training.max_time_s": seconds,
         "training.max_steps": size.max_steps,
         "training.device": device,
+        "optimizer.name": "adamw",  # the sweep's (ChatSize), whatever the base's recipe
         "optimizer.lr": size.lr,
         "optimizer.min_lr": size.lr / 10,
     }

@@ -32,12 +32,14 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.config import TrainConfig, read_toml
+from scratchlm.training.config import TrainConfig, given_keys, read_toml
 from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
 
-# What fine-tuning changes from pretraining's defaults. AdamW over every parameter whatever recipe trained
-# the base (a base of the fast recipe has no Muon state to continue), at a lower rate than pretraining, and
-# no weight decay: a few thousand steps should move the base towards the format, not forget what it knows.
+# What fine-tuning changes from pretraining's defaults: no weight decay (a short run should move the base
+# towards the format, not shrink what it knows), a rate decayed to a tenth. The optimizer and its groups' rates
+# follow the base's recipe (`follow_base`), and the rate itself is measured (`scratchlm.chat.rate`) unless the
+# user gives one; the `lr` here is the one a run takes when neither can be (a base without a recipe, and
+# `sft.lr_sweep_fraction = 0`).
 SFT_DEFAULTS: dict[str, dict] = {
     "optimizer": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "weight_decay": 0.0, "grad_clip": 1.0},
     "schedule": {"kind": "cosine", "warmup_iters": 20},
@@ -46,6 +48,12 @@ SFT_DEFAULTS: dict[str, dict] = {
     "checkpoint": {"interval": 200},
     "logging": {"run_dir": "runs/sft", "log_interval": 10},
 }
+
+# The optimizer settings a fine-tuning run takes from its base's recipe when the user names no optimizer, so
+# that a base trained with Muon is fine-tuned with Muon; and the group rates it keeps in the base's proportion
+# to `lr` (the gains' rate), whatever `lr` is chosen.
+RECIPE_KEYS = ("name", "betas", "eps", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_bf16")
+GROUP_RATES = ("embedding_lr", "head_lr", "muon_lr")
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,12 @@ class SFTConfig:
     # Filled in by `scratchlm sft`, the run's record of it: the chat template's special tokens the base's
     # tokenizer lacked, added with the next free ids, their embedding (and head) rows the mean of the others.
     added_tokens: tuple[str, ...] = ()
+    # The rate, when the user gives no optimizer.lr: a short run at each candidate, the lowest held-out loss
+    # chosen (`scratchlm.chat.rate`). The candidates are optimizer.lr's, the other groups' rates in proportion.
+    lr_candidates: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
+    lr_sweep_fraction: float = 0.25  # of the time budget (else of max_steps) the short runs share; 0: none
+    # Filled in: how optimizer.lr was chosen ("given", "default", or the sweep's losses), the run's record.
+    lr_chosen: str = ""
 
     def check(self, source: str) -> None:
         """Checks across keys."""
@@ -66,6 +80,14 @@ class SFTConfig:
             )
         if not self.base:
             raise ScratchlmError(f"{source}: sft.base is required (the run to fine-tune)")
+        if not self.lr_candidates or not all(lr > 0 for lr in self.lr_candidates):
+            raise ScratchlmError(
+                f"{source}: sft.lr_candidates must be positive rates, got {list(self.lr_candidates)!r}"
+            )
+        if not 0 <= self.lr_sweep_fraction < 1:
+            raise ScratchlmError(
+                f"{source}: sft.lr_sweep_fraction must lie in [0, 1), got {self.lr_sweep_fraction!r}"
+            )
         if not 0 < self.valid_fraction < 1:
             raise ScratchlmError(
                 f"{source}: sft.valid_fraction must lie in (0, 1), got {self.valid_fraction!r}"
@@ -90,16 +112,52 @@ def sft_config(
     if any(o.strip().startswith("model.") for o in overrides):
         raise ScratchlmError("--set model.*: a fine-tuning run's model is sft.base's")
     config = TrainConfig.load(path, overrides, defaults=SFT_DEFAULTS, flags=flags, stage="sft")
-    base_model, tokenizer, added = _base(config.sft.base)
+    base_model, tokenizer, added, base_optimizer = _base(config.sft.base)
+    given = given_keys(path, overrides, flags)
     values = config.to_dict()
     values["model"] = base_model.to_dict() | {"vocab_size": max(base_model.vocab_size, tokenizer.vocab_size)}
     values["training"]["init_from"] = config.sft.base
     values["sft"]["added_tokens"] = added
+    values["optimizer"] = follow_base(values["optimizer"], base_optimizer, given)
+    if "optimizer.lr" in given:
+        values["sft"]["lr_chosen"] = "given"
+    elif not config.sft.lr_sweep_fraction:
+        values["sft"]["lr_chosen"] = "default"
     return TrainConfig.from_dict(values, str(path) if path is not None else "sft config")
 
 
-def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str]]:
-    """The base's model config, its tokenizer with the chat template, and the special tokens added to it."""
+def follow_base(optimizer: dict[str, Any], base: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """The `[optimizer]` values with the base's recipe (`base`: its run's `[optimizer]`, {} when it has
+    none): its optimizer and settings (`RECIPE_KEYS`) and its groups' rates in the same proportion to `lr`,
+    for each key the user did not set (`given`); all of it only when the user names no optimizer."""
+    if not base or "optimizer.name" in given:
+        return optimizer
+    values = dict(optimizer)
+    for key in RECIPE_KEYS:
+        if key in base and f"optimizer.{key}" not in given:
+            values[key] = base[key]
+    for key in GROUP_RATES:
+        if base.get(key) and base.get("lr") and f"optimizer.{key}" not in given:
+            values[key] = base[key] / base["lr"] * values["lr"]
+    return values
+
+
+def at_rate(optimizer: dict[str, Any], lr: float, given: set[str] = frozenset()) -> dict[str, Any]:
+    """The `[optimizer]` values with peak rate `lr`: every group's own rate (`GROUP_RATES`) and `min_lr`
+    scaled with it, except the keys the user set (`given`)."""
+    scale = lr / optimizer["lr"]
+    values = dict(optimizer, lr=lr)
+    own = GROUP_RATES if optimizer["name"] == "muon" else ("embedding_lr", "head_lr")  # muon_lr: Muon's alone
+    scaled = [*own, "min_lr"]
+    for key in scaled:
+        if f"optimizer.{key}" not in given:
+            values[key] = optimizer[key] * scale
+    return values
+
+
+def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str], dict[str, Any]]:
+    """The base's model config, its tokenizer with the chat template, the special tokens added to it, and its
+    training's `[optimizer]` ({} when it has none: an imported model)."""
     trained = load_trained(base, "cpu")
     if trained.tokenizer is None:
         raise ScratchlmError(
@@ -107,7 +165,7 @@ def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str]]:
             "cannot be encoded"
         )
     tokenizer, added = with_chat_tokens(trained.tokenizer)
-    return trained.model.config, tokenizer, added
+    return trained.model.config, tokenizer, added, dict(trained.train_config.get("optimizer", {}))
 
 
 def held_out_split(items: list[T], fraction: float, one: str) -> tuple[list[T], list[T]]:
@@ -134,7 +192,7 @@ def load_conversations(config: TrainConfig, run_dir: RunDirectory) -> TrainingDa
         valid = read_conversations(s.valid)
     else:
         train, valid = held_out_split(train, s.valid_fraction, f"{s.train}: one conversation")
-    _, tokenizer, added = _base(s.base)
+    _, tokenizer, added, _ = _base(s.base)
     if added:
         console.print(f"the base's tokenizer lacks {', '.join(added)}: added for the chat template")
     if tokenizer.vocab_size > config.model.vocab_size:

@@ -73,8 +73,10 @@ def run(args: argparse.Namespace) -> None:
     }
     flags = config_flags(args, own)
     check_required(args, flags, REQUIRED)
-    config = sft_config(args.config, args.overrides, flags)
+    from scratchlm.chat.rate import choose_rate
     from scratchlm.training.trainer import train
+
+    config = choose_rate(sft_config(args.config, args.overrides, flags), resume=args.resume)
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)
 
@@ -82,19 +84,10 @@ def run(args: argparse.Namespace) -> None:
 def check_required(args: argparse.Namespace, flags: dict, required: dict[str, tuple[str, str]]) -> None:
     """Name a missing `required` flag (flag -> its key, what it is) as the flag, before the config's checks
     would name its key."""
-    from pathlib import Path
-
     from scratchlm.errors import ScratchlmError
-    from scratchlm.training.config import parse_override, read_toml
+    from scratchlm.training.config import given_keys
 
-    given = {".".join(parse_override(o)[:2]) for o in args.overrides}
-    if args.config is not None:
-        given |= {
-            f"{s}.{k}"
-            for s, table in read_toml(Path(args.config)).items()
-            if isinstance(table, dict)
-            for k in table
-        }
+    given = given_keys(args.config, args.overrides)
     for flag, (key, what) in required.items():
         if flag not in flags and key not in given:
             raise ScratchlmError(f"{flag} is required: {what} (or {key} in the --config file)")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 import types
 import typing
@@ -358,6 +359,21 @@ def read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ScratchlmError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def given_keys(
+    path: str | os.PathLike | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    flags: dict[str, tuple[str, Any]] | None = None,
+) -> set[str]:
+    """The `section.key` names a user set: in the TOML file at `path`, by a command's `flags` or by `--set`
+    (what `TrainConfig.load` merges over the defaults), so that a default chosen at run time can give way."""
+    given = {key for key, _ in (flags or {}).values()}
+    given |= {".".join(parse_override(o)[:2]) for o in overrides}
+    if path is not None:
+        tables = read_toml(Path(path)).items()
+        given |= {f"{s}.{k}" for s, table in tables if isinstance(table, dict) for k in table}
+    return given
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
