@@ -95,3 +95,14 @@ def last_checkpoint(run_dir: Path) -> dict:
     if path.is_dir():
         return Checkpoint.read(path).to_dict()
     return torch.load(path, weights_only=True)
+
+
+def scratchlm_command(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m scratchlm ARGS` as a user runs it, without standard input; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "scratchlm", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

@@ -297,3 +297,40 @@ def test_settings_are_checked_before_anything_runs(base_and_prompts, setting, me
     with pytest.raises(ScratchlmError, match=message):
         config_for(root, base, "refused", setting)
     assert not (root / "refused").exists()
+
+
+def test_the_finished_line_gives_the_last_pass_at_1(base_and_prompts, tmp_path, capsys):
+    """A stage that validates by pass@1 has no validation loss: the run's last line says its pass@1."""
+    root, base = base_and_prompts
+    out = tmp_path / "run"
+    args = [
+        "rl",
+        "--base",
+        str(base),
+        "--data",
+        str(root / "prompts.jsonl"),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
+    sets = ["training.max_steps=2", "training.batch_size=8", "eval.interval=1"]
+    status, _, err = run_cli([*args, *(x for s in sets for x in ("--set", s))], capsys)
+    assert status == 0, err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r["val_pass1"] for r in records if r.get("val_pass1") is not None][-1]
+    finished = [line for line in err.splitlines() if line.startswith("finished at step 2")]
+    assert len(finished) == 1 and f"val pass@1 {last:.1%};" in finished[0] and "val loss" not in finished[0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_rl_runs_at_every_precision_and_records_it(base_and_prompts, precision):
+    """bf16 and fp16 (autocast, and fp16's loss scaling) take the same steps as fp32: finite rewards, KL and
+    losses, and the precision recorded in the run."""
+    root, base = base_and_prompts
+    run = f"precision-{precision}"
+    summary = train(config_for(root, base, run, f"training.precision='{precision}'", steps=2))
+    assert summary.steps == 2 and np.isfinite(summary.final_train_loss)
+    logged = records(root / run, "reward")
+    assert len(logged) == 2 and all(np.isfinite([r["reward"], r["kl"], r["entropy"]]).all() for r in logged)
+    assert Checkpoint.read(sorted((root / run / "checkpoints").iterdir())[-1]).training.precision == precision

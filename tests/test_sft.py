@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_state
+from helpers import assert_same_state, scratchlm_command
 from serve_helpers import tiny_run
 
 from scratchlm.chat.conversations import write_conversations
@@ -163,22 +161,12 @@ def test_a_config_may_not_set_the_model(base_and_data, tmp_path):
         sft_config(None, [f"sft.train={json.dumps(str(root / 'train.jsonl'))}"])
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "scratchlm", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
-
-
 def test_the_command_reports_a_bad_line_in_one_line(base_and_data, tmp_path):
     root, base = base_and_data
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                    '{"messages": [{"role": "robot", "content": "beep"}]}\n')  # fmt: skip
-    result = run_cli("sft", "--base", str(base), "--data", str(bad), "--out", str(tmp_path / "run"))
+    result = scratchlm_command("sft", "--base", str(base), "--data", str(bad), "--out", str(tmp_path / "run"))
     assert result.returncode == 2
     # (A device measured while other tests keep the cores busy adds a "note:" line that is not about the data.)
     lines = [

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from helpers import scratchlm_command
 from interop_helpers import make_run
 from serve_helpers import small_tokenizer, tiny_config
 
@@ -160,16 +159,6 @@ def test_a_short_run_that_diverges_is_not_chosen(bases_and_data, monkeypatch):
     assert config.optimizer.lr == 1e-2 and "100: diverged" in config.sft.lr_chosen
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "scratchlm", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-
-
 def test_the_command_says_what_it_chose_and_why(bases_and_data):
     root, _, muon = bases_and_data
     out = root / "cli"
@@ -181,7 +170,7 @@ def test_the_command_says_what_it_chose_and_why(bases_and_data):
         "--set",
         "eval.iters=1",
     ]
-    result = run_cli(
+    result = scratchlm_command(
         "sft", "--base", str(muon), "--data", str(root / "train.jsonl"), "--out", str(out), *sets
     )
     assert result.returncode == 0, result.stderr

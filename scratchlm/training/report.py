@@ -128,6 +128,7 @@ class Reporter:
         per_row = config.model.context_length if tokens_per_row is None else tokens_per_row
         self.tokens_per_step = round(config.training.batch_size * per_row)
         self.logger: MetricsLogger | None = None
+        self.last_pass1: float | None = None  # a stage's own validation, for the summary line
 
     def open(
         self, parameters: int, tokenizer: Tokenizer | None, budget: TimeBudget, step: int, elapsed_s: float
@@ -184,6 +185,7 @@ class Reporter:
     def evaluation(self, step: int, elapsed_s: float, loss: float | None, **fields: float) -> None:
         """A validation estimate: its loss (None for a stage that measures something else), or a stage's own
         `EvalRecord` fields (`val_pass1`)."""
+        self.last_pass1 = fields.get("val_pass1", self.last_pass1)
         if self.logger is not None:
             if loss is not None:
                 fields |= {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
@@ -218,8 +220,13 @@ class Reporter:
             return
         console.print(
             f"{summary.stopped.value} at step {summary.steps} after {format_seconds(summary.wall_time_s)}: "
-            f"train loss {_fmt(summary.final_train_loss)}, val loss {_fmt(summary.final_val_loss)}; "
-            f"checkpoint in {self.run_dir.checkpoints_dir}"
+            f"train loss {_fmt(summary.final_train_loss)}, "
+            + (
+                f"val pass@1 {self.last_pass1:.1%}; "
+                if summary.final_val_loss is None and self.last_pass1 is not None
+                else f"val loss {_fmt(summary.final_val_loss)}; "
+            )
+            + f"checkpoint in {self.run_dir.checkpoints_dir}"
             + ("" if summary.stopped is StopReason.FINISHED else f" ({how_to_resume()})")
         )
 
