@@ -12,6 +12,7 @@ from helpers import assert_same_state
 from interop_helpers import assert_one_line_error, run_cli
 from serve_helpers import chat_run
 
+from scratchlm.chat.conversations import read_conversations
 from scratchlm.chat.rl.rewards import RewardError
 from scratchlm.chat.rl.rollouts import sample_replies
 from scratchlm.chat.rl.stage import read_prompts, rl_config
@@ -241,6 +242,7 @@ def test_the_command_names_a_failing_reward_or_a_bad_prompt_in_one_line(base_and
 def test_the_quickstart_goes_on_to_reinforcement_learning(tmp_path):
     """`quickstart --chat --rl` (small): the chat model trained by RL on the same tasks, and the base, chat and
     RL models scored on the same held-out conversations."""
+    from scratchlm.chat.pipeline import CHAT_SMALL
     from scratchlm.quickstart import quickstart
 
     with pytest.raises(ScratchlmError, match="add --chat"):
@@ -254,6 +256,14 @@ def test_the_quickstart_goes_on_to_reinforcement_learning(tmp_path):
     assert records(out / "rl-run", "val_pass1")  # the held-out prompts were evaluated
     recorded = json.loads((out / "quickstart.json").read_text())["chat"]
     assert recorded["exact_match_rl"] == chat.exact_match_rl
+    # RL's prompts are questions neither fine-tuning nor the test asks; its validation is the test's.
+    last_questions = lambda path: [json.loads(line)["messages"][-1]["content"] for line in path.open()]  # noqa: E731
+    fine_tuned = {c[-2].content for c in read_conversations(out / "chat" / "train.jsonl")}
+    tested = [c[-2].content for c in read_conversations(out / "chat" / "test.jsonl")]
+    rl_questions = last_questions(out / "chat" / "rl-train.jsonl")
+    assert len(rl_questions) == CHAT_SMALL.train_conversations  # as many as fine-tuning had
+    assert not set(rl_questions) & (fine_tuned | set(tested))
+    assert last_questions(out / "chat" / "rl-test.jsonl") == tested
 
 
 def test_the_example_config_reads_as_documented(base_and_prompts):

@@ -76,8 +76,9 @@ class Held:
             stderr=write,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: Ctrl-C is sent to the group, as a terminal does
-            # SIGINT at its default action, even where these tests run as a background job (which ignores it)
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            # SIGINT and SIGHUP at their default actions, as in a terminal, even where these tests run as a
+            # background job (which ignores SIGINT) or under nohup (which ignores SIGHUP)
+            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)],
         )
         os.close(write)
         wait_for(lambda: self.ready.exists() or self.process.poll() is not None, "training to start")
@@ -224,6 +225,7 @@ def test_sft_stops_at_the_step_and_resumes_exactly(tmp_path):
     settings = [
         "training.device='cpu'", "training.precision='fp32'", "training.batch_size=4", "training.max_steps=8",
         "eval.interval=4", "eval.iters=1", "checkpoint.interval=4", "logging.log_interval=1",
+        "optimizer.lr=1e-3",  # given: no short runs to measure it before the run that is stopped
     ]  # fmt: skip
     files = {"base": base, "train": tmp_path / "train.jsonl", "valid": tmp_path / "valid.jsonl"}
     args = ["--base", str(base), "--data", str(files["train"]), "--valid", str(files["valid"])]

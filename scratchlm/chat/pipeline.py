@@ -2,7 +2,8 @@
 
     built-in conversations (scratchlm.chat.tasks) -> OUT/chat/{train,test}.jsonl
     the base run, fine-tuned on them for a time budget (scratchlm.chat.sft) -> OUT/chat-run
-    with `--rl`: the same conversations as prompts with their answers -> OUT/chat/{rl-train,rl-test}.jsonl,
+    with `--rl`: fresh conversations of the same tasks (and the test's) as prompts with their answers
+    -> OUT/chat/{rl-train,rl-test}.jsonl,
     the chat model trained on them by reinforcement learning, exact-match reward, for a time budget
     (scratchlm.chat.rl) -> OUT/rl-run
     the base, the chat (and the RL) model scored on the test split: exact match of the last answer, and the
@@ -31,7 +32,7 @@ from scratchlm.chat.conversations import (
 )
 from scratchlm.chat.rl.stage import rl_config
 from scratchlm.chat.sft import sft_config
-from scratchlm.chat.tasks import build_tasks, exact_match, greedy_reply
+from scratchlm.chat.tasks import build_tasks, exact_match, fresh_conversations, greedy_reply
 from scratchlm.chat.template import ChatTemplate, Message, chat_template, with_chat_tokens
 from scratchlm.console import console
 from scratchlm.device import plan
@@ -129,15 +130,20 @@ def fine_tune(
     return train(config, resume=run.latest_checkpoint() is not None)
 
 
-def prompt_files(out_dir: Path, train_file: Path, test_file: Path) -> tuple[Path, Path]:
-    """The conversations of `train_file` and `test_file` as RL prompts (each up to its last question, its last
-    answer the `answer`), written once into `out_dir` (rl-train.jsonl, rl-test.jsonl)."""
+def prompt_files(out_dir: Path, train_file: Path, test_file: Path, size: ChatSize) -> tuple[Path, Path]:
+    """RL prompts (each conversation up to its last question, its last answer the `answer`), written once into
+    `out_dir`: rl-train.jsonl, fresh conversations of the built-in tasks whose last questions neither
+    `train_file` (which fine-tuning has learnt) nor `test_file` asks, as many as fine-tuning had; rl-test.jsonl,
+    the conversations of `test_file`."""
     files = out_dir / "rl-train.jsonl", out_dir / "rl-test.jsonl"
     if all(path.exists() for path in files):
         return files
-    for source, path in zip((train_file, test_file), files, strict=True):
+    test = read_conversations(test_file)
+    asked = {messages[-2].content for messages in [*read_conversations(train_file), *test]}
+    fresh = fresh_conversations(size.train_conversations, "rl-0", asked)
+    for conversations, path in zip((fresh, test), files, strict=True):
         with atomic_write(path, "w") as f:
-            for messages in read_conversations(source):
+            for messages in conversations:
                 question = [{"role": m.role, "content": m.content} for m in messages[:-1]]
                 f.write(json.dumps({"messages": question, "answer": messages[-1].content}) + "\n")
     return files
@@ -241,7 +247,7 @@ def chat_stages(
     rl_summary = None
     if rl_seconds is not None:
         stage("reinforcement learning on the same tasks (exact-match reward)")
-        prompts = prompt_files(out_dir / "chat", train_file, test_file)
+        prompts = prompt_files(out_dir / "chat", train_file, test_file, size)
         models["RL"] = out_dir / RL_RUN
         rl_summary = reinforce(run_dir, *prompts, models["RL"], rl_seconds, device, size)
     stage(f"the {', '.join(models)} models on the held-out conversations")

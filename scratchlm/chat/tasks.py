@@ -86,16 +86,20 @@ def build_tasks(
 ) -> tuple[list[list[Message]], list[list[Message]]]:
     """`train_size` training conversations and `test_size` test conversations, whose last questions the
     training set never asks."""
-    words = vocabulary()
-    train_rng, test_rng = random.Random(f"train-{seed}"), random.Random(f"test-{seed}")
-    train = [conversation(train_rng, words) for _ in range(train_size)]
-    asked = {messages[-2].content for messages in train}
-    test: list[list[Message]] = []
-    while len(test) < test_size:
-        messages = conversation(test_rng, words)
+    train_rng = random.Random(f"train-{seed}")
+    train = [conversation(train_rng, vocabulary()) for _ in range(train_size)]
+    return train, fresh_conversations(test_size, f"test-{seed}", {messages[-2].content for messages in train})
+
+
+def fresh_conversations(count: int, stream: str, asked: set[str]) -> list[list[Message]]:
+    """`count` conversations from the random stream named `stream` whose last questions are none of `asked`."""
+    words, rng = vocabulary(), random.Random(stream)
+    found: list[list[Message]] = []
+    while len(found) < count:
+        messages = conversation(rng, words)
         if messages[-2].content not in asked:
-            test.append(messages)
-    return train, test
+            found.append(messages)
+    return found
 
 
 def greedy_reply(
