@@ -324,7 +324,7 @@ def test_the_finished_line_gives_the_last_pass_at_1(base_and_prompts, tmp_path, 
         "--device",
         "cpu",
     ]
-    sets = ["training.max_steps=2", "training.batch_size=8", "eval.interval=1"]
+    sets = ["training.max_steps=2", "training.batch_size=8", "eval.interval=1", "training.precision=fp32"]
     status, _, err = run_cli([*args, *(x for s in sets for x in ("--set", s))], capsys)
     assert status == 0, err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

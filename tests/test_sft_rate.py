@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -159,6 +160,27 @@ def test_a_short_run_that_diverges_is_not_chosen(bases_and_data, monkeypatch):
     assert config.optimizer.lr == 1e-2 and "100: diverged" in config.sft.lr_chosen
 
 
+def test_a_short_run_stopped_before_its_evaluation_is_run_again(bases_and_data, monkeypatch):
+    """A signal after a short run's last step leaves it with no held-out loss: resumed, it has nothing left to
+    train, so it is run again rather than scored as diverged."""
+    from scratchlm.chat import rate
+    from scratchlm.chat.sft import sft_config
+
+    real_train, calls = rate.train, []
+
+    def unscored_once(config, resume=False):
+        calls.append(resume)
+        summary = real_train(config, resume)
+        return dataclasses.replace(summary, final_val_loss=None) if len(calls) == 1 else summary
+
+    monkeypatch.setattr(rate, "train", unscored_once)
+    root, plain, _ = bases_and_data
+    extra = ("sft.lr_candidates=[1e-2]", "training.max_steps=8")
+    config = rate.choose_rate(sft_config(None, overrides(root, plain, "unscored", *extra)))
+    sweep = json.loads((root / "unscored" / "lr-sweep" / "sweep.json").read_text())
+    assert calls == [False, False] and sweep["losses"]["0.01"] is not None and config.optimizer.lr == 1e-2
+
+
 def test_the_command_says_what_it_chose_and_why(bases_and_data):
     root, _, muon = bases_and_data
     out = root / "cli"
@@ -171,7 +193,16 @@ def test_the_command_says_what_it_chose_and_why(bases_and_data):
         "eval.iters=1",
     ]
     result = scratchlm_command(
-        "sft", "--base", str(muon), "--data", str(root / "train.jsonl"), "--out", str(out), *sets
+        "sft",
+        "--base",
+        str(muon),
+        "--data",
+        str(root / "train.jsonl"),
+        "--out",
+        str(out),
+        "--precision",
+        "fp32",
+        *sets,
     )
     assert result.returncode == 0, result.stderr
     text = result.stdout + result.stderr

@@ -121,10 +121,12 @@ def _short_run(
     schedule["warmup_iters"] = max(1, round(schedule["warmup_iters"] * share))  # the run's, in miniature
     values["checkpoint"]["interval"] = 0  # one checkpoint, at its end (for --resume), deleted once scored
     console.rule(f"lr {lr:g}")
+    short = TrainConfig.from_dict(values, "sft config")
     try:
-        summary = train(
-            TrainConfig.from_dict(values, "sft config"), resume=run.latest_checkpoint() is not None
-        )
+        summary = train(short, resume=run.latest_checkpoint() is not None)
+        if summary.final_val_loss is None:  # stopped by a signal after its last step, before its evaluation
+            shutil.rmtree(run.path)
+            summary = train(short)
     except DivergedError:
         loss, taken = math.inf, steps
     else:
