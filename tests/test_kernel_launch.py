@@ -84,6 +84,27 @@ def test_the_choice_on_a_device_reads_its_limits_and_names_a_misfit(monkeypatch)
     assert launch.fits(torch.device("cpu"), torch.float32, 100)
 
 
+def test_a_device_is_asked_its_properties_once(monkeypatch):
+    # Triton's query takes about a millisecond; asked at every launch it cost 4 ms an attention call on an H200.
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return {"max_shared_mem": 232_448, "multiprocessor_count": 132}
+
+    driver = SimpleNamespace(active=SimpleNamespace(utils=SimpleNamespace(get_device_properties=properties)))
+    monkeypatch.setattr(launch, "triton", SimpleNamespace(runtime=SimpleNamespace(driver=driver)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    launch._properties.cache_clear()
+    try:
+        for _ in range(3):
+            assert launch.device_limits(torch.device("cuda", 1)) == (90, 232_448)
+            assert launch.multiprocessors(torch.device("cuda", 1)) == 132
+        assert asked == [1]
+    finally:
+        launch._properties.cache_clear()
+
+
 def run_aot(out, *args: str) -> list[dict]:
     """`bench_gpu.py --aot` in a process without Triton's interpreter (ahead-of-time compilation needs the
     real kernels); its rows, through the JSON file `out`."""

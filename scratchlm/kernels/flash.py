@@ -30,7 +30,7 @@ from scratchlm.kernels.flash_kernels import (
     _decode_kernel,
     _forward_kernel,
 )
-from scratchlm.kernels.launch import constexprs, settings_for
+from scratchlm.kernels.launch import constexprs, multiprocessors, settings_for
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -92,7 +92,7 @@ def _unit_last_stride(x: Tensor) -> Tensor:
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
-    return triton.runtime.driver.active.utils.get_device_properties(device.index)["multiprocessor_count"]
+    return multiprocessors(device)
 
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float) -> None:
