@@ -207,3 +207,32 @@ def test_weights_held_by_columns_get_a_copy_by_rows_for_the_compiled_step():
     assert model.lm_head.weight_by_rows is not None and model.lm_head.weight_by_rows.is_contiguous()
     torch.testing.assert_close(model.lm_head.weight_by_rows, head, rtol=0, atol=0)
     assert model.lm_head.weight.stride() == head.stride() and set(model.state_dict()) == keys
+
+
+def test_the_compiled_step_reads_the_weights_where_they_lie():
+    """The compiled step (on a CPU, compiled without Dynamo from a traced graph) reads the parameters at
+    each call, as the eager step does: weights changed in place after compiling are seen."""
+    model = small_model()
+    batch = prompts(1, 4)
+    generate(model, batch, 8, temperature=0, compile=True)  # compiles the step
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+        model.layers[0].ffn.w2.weight.add_(0.05)
+    eager = generate(model, batch, 12, temperature=0, compile=False)
+    assert generate(model, batch, 12, temperature=0, compile=True) == eager
+
+
+def test_a_step_is_compiled_again_for_another_thread_count():
+    """Inductor writes a step's loops for the threads it has: run with more threads, the step compiled for
+    one would still use one."""
+    model = small_model()
+    batch = prompts(1, 4)
+    eager = generate(model, batch, 10, temperature=0, compile=False)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert generate(model, batch, 10, temperature=0, compile=True) == eager
+    finally:
+        torch.set_num_threads(threads)
+    assert set(decode._DECODERS[model][1]._steps) == {(1, 1), (1, 2)}

@@ -28,6 +28,9 @@ all of them, and only the query positions differ from row to row (`attention_lay
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -247,6 +250,17 @@ class WholeWindowKVCache:
         them)."""
         held = [t for layer in self.layers for t in (layer.keys, layer.values)]
         return [*held, self.positions, self.key_index, self.row_index]
+
+    def over(self, tensors: Sequence[Tensor]) -> WholeWindowKVCache:
+        """The same view reading and writing `tensors` (in the order of `tensors()`) instead of its own: what
+        a step traced into a graph takes as its inputs."""
+        view = copy.copy(self)
+        *held, view.positions, view.key_index, view.row_index = tensors
+        view.layers = [
+            WholeWindowLayerKVCache(view, keys, values)
+            for keys, values in zip(held[0::2], held[1::2], strict=True)
+        ]
+        return view
 
     def set_positions(self, lengths: list[int]) -> None:
         """Each row's length, the position of its next token (missing rows: 0)."""

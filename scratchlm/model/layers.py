@@ -18,7 +18,10 @@ hundreds of bfloat16 values loses most of its digits.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
 from jaxtyping import Float, Int
@@ -55,7 +58,7 @@ class Linear(nn.Module):
         self.weight_by_rows: Tensor | None = None
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        if torch.compiler.is_compiling() and is_one_token_on_cpu(x):
+        if in_compiled_step() and is_one_token_on_cpu(x):
             # A compiled one-token step on a CPU (`scratchlm.generation.decode`): written as a product and a
             # sum over W's rows, the matrix-vector product becomes a loop Inductor generates, vectorised and
             # spread over the threads, reading each row of W once; the BLAS's matrix-vector kernel runs on
@@ -74,6 +77,27 @@ class Linear(nn.Module):
 
 def is_one_token_on_cpu(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.numel() == x.shape[-1]
+
+
+# Set while a decode step is traced into a graph outside Dynamo (`scratchlm.generation.decode` on a CPU); a
+# context variable, so that a thread tracing does not change the layers of another running eagerly.
+_TRACING_STEP = contextvars.ContextVar("tracing_step", default=False)
+
+
+@contextlib.contextmanager
+def tracing_step() -> Iterator[None]:
+    """Run the model as a compiled step does (`in_compiled_step`) while a step is traced into a graph."""
+    token = _TRACING_STEP.set(True)
+    try:
+        yield
+    finally:
+        _TRACING_STEP.reset(token)
+
+
+def in_compiled_step() -> bool:
+    """Whether the forward pass is being traced into a compiled graph (by Dynamo, or by `tracing_step`), where
+    each operation runs with no Python between them and the layers take the forms that compile best."""
+    return torch.compiler.is_compiling() or _TRACING_STEP.get()
 
 
 class LinearStack:
@@ -108,7 +132,7 @@ class LinearStack:
     def __call__(self, x: Float[Tensor, "... d_in"]) -> tuple[Float[Tensor, "... d_out"], ...]:
         # A compiled step (`scratchlm.generation.decode`) calls each matrix directly, with no Python between
         # the calls: the stack saves nothing there, and its address check cannot be traced.
-        if self.weight is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self.weight is not None and not torch.is_grad_enabled() and not in_compiled_step():
             if [linear.weight.data_ptr() for linear in self.linears] == self._addresses:
                 return (x @ self.weight.T).split([linear.out_features for linear in self.linears], dim=-1)
             self.weight = None  # a weight has left the stack: free it
