@@ -204,3 +204,18 @@ def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_eac
         for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
             for p in (0.1, 0.5, 0.9, 0.95):
                 assert torch.equal(top_p_filter(x, p), per_row(x, p)), (rows, scale, p)
+
+
+def test_a_flat_rows_nucleus_is_found_among_its_least_likely_tokens():
+    """A flat row (an untrained model's): the nucleus ends among the least likely quarter of the tokens, found
+    there without sorting the row, with the stable sort's result; a row whose nucleus ends earlier is left to
+    the other paths."""
+    from scratchlm.generation.sampling import TAIL_SHARE, _nucleus_ending_among
+
+    generator = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(3, 10_000, generator=generator) * 0.4, dim=-1)
+    least = probs <= torch.kthvalue(probs, 10_000 // TAIL_SHARE, dim=-1).values[:, None]
+    kept = _nucleus_ending_among(probs, least, 0.9)
+    assert kept is not None
+    assert torch.equal(kept / kept.sum(dim=-1, keepdim=True), per_row(probs, 0.9))
+    assert _nucleus_ending_among(probs, least, 0.3) is None
