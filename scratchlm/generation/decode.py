@@ -137,10 +137,9 @@ class Decoder:
         self._steps: dict[tuple[int, int], Callable[[Tensor], Tensor]] = {}
         self._on_gpu = self.cache.layers[0].keys.is_cuda
         if compiled and not self._on_gpu:
-            # The compiled one-token step's matrix-vector loops read each weight row by row
-            # (`Linear.forward`), while the products of several tokens (prefill, a batch of rows) stay
-            # fastest on the wide matrices held by columns where `Plan.matvec` measured that: those get a
-            # copy by rows.
+            # The compiled step reads each weight by rows (`Linear.forward`), while the eager products
+            # (prefill, an eager step) stay fastest on the wide matrices held by columns where `Plan.matvec`
+            # measured that: those get a copy by rows.
             hold_rows_for_decoding(model)
         if compiled and self._on_gpu:
             # dynamic=False: a graph per bucket, each at fixed shapes. "reduce-overhead" records the step as a
