@@ -114,8 +114,8 @@ class Decoder:
 
     Eager, a step runs on the rows in use and the keys of the longest row, as the serving engine always has.
     Compiled, it runs at the bucket of the rows in use over the whole window; the first step of each bucket
-    compiles it (`compile_seconds` adds up the time), said through `announce` before and after, so a command
-    can show what it waits for."""
+    (and thread count) compiles it (`compile_seconds` adds up the time), said through `announce` before and
+    after, so a command can show what it waits for."""
 
     def __init__(
         self,
@@ -158,10 +158,10 @@ class Decoder:
     def _compile(self, rows: int) -> Callable[[Tensor], Tensor]:
         """The step of `rows` rows, compiled: on a GPU at its first call, as a CUDA graph (the output is
         copied: it lives in the graph's memory, which the next step overwrites); on a CPU now."""
-        view, tokens = self._views[rows], self._tokens[rows]
+        view = self._views[rows]
         if self._on_gpu:
             return lambda tokens: self._graphed(self.model, view, tokens).clone()
-        return compile_on_cpu(self.model, view, tokens)
+        return compile_on_cpu(self.model, view, self._tokens[rows])
 
     def is_compiled_for(self, rows: int) -> bool:
         """Whether a step of `rows` sequences runs without compiling first."""
@@ -187,8 +187,8 @@ class Decoder:
             return time.perf_counter() - start
 
         self.eager_buckets.discard(size)
-        compiled = (size, torch.get_num_threads()) in self._steps
-        compile_s = self.compile_seconds if compiled else timed(lambda: self.step(tokens))
+        ready = (size, torch.get_num_threads()) in self._steps
+        compile_s = self.compile_seconds if ready else timed(lambda: self.step(tokens))
         compiled = min(timed(lambda: self.step(tokens)) for _ in range(steps))
         eager = min(timed(lambda: self._eager(tokens)) for _ in range(steps))
         for layer, (keys, values) in zip(self.cache.layers, saved, strict=True):
