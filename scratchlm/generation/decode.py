@@ -105,7 +105,7 @@ def compile_on_cpu(
     with torch.no_grad(), tracing_step():
         graph = make_fx(step, tracing_mode="real")(*inputs)
     compiled = torch._inductor.standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs")
-    held = [*weights, *view.tensors()]
+    held = inputs[1:]  # every input but the tokens: the same tensors at every call
     return lambda tokens: compiled(tokens, *held)
 
 
