@@ -18,8 +18,12 @@ that shorter budget, reaches the validation loss the specification's recipe reac
 fast recipe runs at each of `--fractions`, and the ratio is interpolated between the two fractions whose losses
 bracket the target (loss taken as linear in log(budget)); "≤ f" when even the smallest fraction reaches it.
 
-`--parallel 2` (the default) runs two trainings at a time, one thread each, so that runs compared with each
-other share whatever else the machine is doing at the time (the fair race of bench_quickstart.py --concurrent).
+By default the runs go one at a time, each with the threads `scratchlm quickstart` would give it, as a user
+runs them (`--threads 1`: one at a time with one thread); the fast recipe's shape is then chosen for each budget as the quickstart chooses it
+(`FAST_SHAPES` of scratchlm/quickstart.py), and each run's shape is in the table. `--parallel 2` runs two
+trainings at a time, one thread each, so that runs compared with each other share whatever else the machine is
+doing at the time (the fair race of bench_quickstart.py --concurrent); there the specification's recipe also
+runs at each of `--fractions`, as the partner of the fast recipe's shorter run.
 Finished runs are reused (their directory names carry recipe and budget), `--fresh` trains everything again.
 Results: a table on stdout, `results.json` and the loss curves (`curves.png` at the full budget,
 `ablations-*.png` for the fast recipe and each piece removed) in `--results`.
@@ -47,7 +51,7 @@ from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.quickstart import FULL, RECIPES, SMALL, build_data, train_within_budget
 from scratchlm.run import load_trained
-from scratchlm.training.config import parse_override
+from scratchlm.training.config import TrainConfig, parse_override
 from scratchlm.training.recipes import merged
 
 #: Each piece of the fast recipe, removed on its own (the ablation table). "muon" falls back to the
@@ -95,10 +99,13 @@ def run_job(
     )
     valid = np.load(data.valid, mmap_mode="r")
     loss = math.nan if kind == "warmup" else evaluate(load_trained(run_root / "run").model, valid).loss
+    trained = TrainConfig.load(run_root / "run" / "config.toml")
     return {
         "name": name,
         "budget": budget,
         "unit": unit,
+        "shape": f"{trained.model.num_layers} layers, batch {trained.training.batch_size}",
+        "threads": threads,
         "steps": summary.steps,
         "training_s": summary.wall_time_s,
         "tokens_per_s": summary.tokens / summary.wall_time_s,
@@ -108,9 +115,14 @@ def run_job(
     }
 
 
+def run_threads(args: argparse.Namespace) -> int:
+    """Each training's threads: `--threads`, else this machine's split evenly between the trainings at a time."""
+    return args.threads or max(1, torch.get_num_threads() // args.parallel)
+
+
 def run_all(jobs: list[tuple[str, dict, float, str]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The jobs, `args.parallel` at a time, each in a fresh process (a fresh torch.compile state)."""
-    threads = max(1, torch.get_num_threads() // args.parallel)
+    threads = run_threads(args)
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.parallel, maxtasksperchild=1) as pool:
         pending = [
@@ -132,10 +144,12 @@ def run_all(jobs: list[tuple[str, dict, float, str]], args: argparse.Namespace) 
     return results
 
 
-def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict[str, float]:
-    """Seconds per training step of each recipe (the trainer's step: forward and backward in the precision
-    "auto" resolves to, clipping, the optimizer), measured in turns in one process so that both see the same machine load; median of
-    `rounds` turns of `steps` steps each, after a compiled warm-up."""
+def step_cost(
+    args: argparse.Namespace, variants: dict[str, dict], rounds: int = 3, steps: int = 2
+) -> dict[str, float]:
+    """Seconds per training step of each recipe and variant (the trainer's step: forward and backward in the
+    precision "auto" resolves to, clipping, the optimizer), measured in turns in one process so that all see
+    the same machine load; median of `rounds` turns of `steps` steps each, after a compiled warm-up."""
     from scratchlm.data.prepare import PreparedData
     from scratchlm.data.tokens import gather_batch, load_tokens, sample_starts
     from scratchlm.model.loss import cross_entropy
@@ -156,11 +170,14 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
     choices = plan(torch.device("cpu"), "auto", threads=torch.get_num_threads())
     precision = choices.precision.value
     if args.ablations:  # each piece's own cost: the fast recipe without it
-        for name, changes in ABLATIONS.items():
-            RECIPES[name] = merged(RECIPES["fast"], changes)
-            names.append(name)
+        variants = {name: merged(RECIPES["fast"], changes) for name, changes in ABLATIONS.items()} | variants
+    for name, recipe in variants.items():
+        RECIPES[name] = recipe
+        names.append(name)
+    batch_sizes = {}
     for name in names:
         config = train_config(size, data, Path("unused"), 0.0, "cpu", 1, name)
+        batch_sizes[name] = config.training.batch_size
         torch.manual_seed(0)
         model = TransformerLM.from_config(config.model)
         compiled = model if args.no_compile else torch.compile(model)
@@ -168,7 +185,7 @@ def step_cost(args: argparse.Namespace, rounds: int = 3, steps: int = 2) -> dict
 
     def one_step(name: str) -> None:
         model, compiled, optimizer = trainers[name]
-        starts = sample_starts(len(tokens), size.batch_size, size.model["context_length"], rng)
+        starts = sample_starts(len(tokens), batch_sizes[name], size.model["context_length"], rng)
         inputs, targets = gather_batch(tokens, starts, size.model["context_length"], torch.device("cpu"))
         with choices.autocast():
             loss = cross_entropy(compiled(inputs), targets)
@@ -243,7 +260,12 @@ def main() -> None:
         default=0,
         help="a budget of steps instead of seconds (tuning, whatever the load)",
     )
-    parser.add_argument("--parallel", type=int, default=2, help="trainings at a time (threads split evenly)")
+    parser.add_argument(
+        "--parallel", type=int, default=1, help="trainings at a time (threads split evenly; default 1)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="each training's threads (default: the cores split evenly)"
+    )
     parser.add_argument("--small", action="store_true", help="the quickstart's --small sizes")
     parser.add_argument(
         "--step-cost", action="store_true", help="only measure each recipe's seconds per step, in turns"
@@ -275,8 +297,16 @@ def main() -> None:
         if not source.exists():
             write_corpus(args.corpus, source)
         args.text = [str(source)]
+    variants = {}
+    for variant in args.variant:
+        name, _, settings = variant.partition("=")
+        changes: dict[str, dict[str, Any]] = {}
+        for setting in settings.split(","):
+            section, key, value = parse_override(setting)
+            changes.setdefault(section, {})[key] = value
+        variants[name] = merged(RECIPES["fast"], changes)
     if args.step_cost:
-        cost = step_cost(args)
+        cost = step_cost(args, variants)
         print(f"seconds per step ({torch.get_num_threads()} threads), and relative to the fast recipe's:")
         for name, seconds in cost.items():
             print(f"| {name} | {seconds:.3f} | {seconds / cost['fast']:.2f} |")
@@ -305,14 +335,9 @@ def main() -> None:
         # for each shorter run of the fast recipe when two run at a time.
         jobs.insert(1, ("fast", fast, T, unit))
         for f in fractions:
-            jobs += [("spec", spec, at(f), unit), ("fast", fast, at(f), unit)]
-    for variant in args.variant:
-        name, _, settings = variant.partition("=")
-        changes: dict[str, dict[str, Any]] = {}
-        for setting in settings.split(","):
-            section, key, value = parse_override(setting)
-            changes.setdefault(section, {})[key] = value
-        jobs.append((name, merged(fast, changes), T, unit))
+            jobs += [("spec", spec, at(f), unit)] if args.parallel > 1 else []
+            jobs.append(("fast", fast, at(f), unit))
+    jobs += [(name, recipe, T, unit) for name, recipe in variants.items()]
     if args.ablations:
         for name, changes in ABLATIONS.items():
             if name == "no-muon":
@@ -345,11 +370,13 @@ def main() -> None:
     )
     target = best_spec["val_loss"]
 
-    print(f"\ncorpus {args.corpus}, seed 0, {args.parallel} training(s) at a time")
+    threads = run_threads(args)
+    print(f"\ncorpus {args.corpus}, seed 0, {args.parallel} training(s) at a time, {threads} thread(s) each")
     print(
-        "| recipe | budget | steps | training time | tokens/s | validation loss (whole file) | time-to-loss |"
+        "| recipe | shape | budget | steps | training time | tokens/s | validation loss (whole file) "
+        "| time-to-loss |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     names = list(dict.fromkeys(r["name"] for r in results))
     summary: dict[str, Any] = {
         "corpus": args.corpus,
@@ -365,7 +392,7 @@ def main() -> None:
         summary["time_to_loss"][name] = ratio
         for r in (r for r in results if r["name"] == name):
             print(
-                f"| {name} | {r['budget']:g} {unit} | {r['steps']:,} | {r['training_s']:.0f} s | "
+                f"| {name} | {r['shape']} | {r['budget']:g} {unit} | {r['steps']:,} | {r['training_s']:.0f} s | "
                 f"{r['tokens_per_s']:,.0f} | {r['val_loss']:.4f} | "
                 f"{ratio if r['budget'] == max(mine) * T else ''} |"
             )

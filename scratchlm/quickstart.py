@@ -10,6 +10,7 @@ there is refused, never overwritten):
     OUT/corpus/       train.txt, valid.txt, source.json (scratchlm.data.corpus)
     OUT/data/         tokenizer/, train.npy, valid.npy  (scratchlm.data.prepare)
     OUT/run/          config.toml, metrics.jsonl, checkpoints/, summary.json  (scratchlm.training)
+    OUT/shape.json    the fast recipe's shape for the budget on this machine, and why (scratchlm.training.sizing)
     OUT/schedule.json the number of steps that fit the time budget on this machine (the run decides it)
     OUT/loss.png      the learning curve
     OUT/quickstart.json  the final figures
@@ -58,6 +59,7 @@ from scratchlm.training.budget import CALIBRATION_STEPS
 from scratchlm.training.config import TrainConfig, budget_seconds, config_changes
 from scratchlm.training.recipes import RECIPES as TRAINING_RECIPES
 from scratchlm.training.recipes import merged
+from scratchlm.training.sizing import Shape, ShapeChoice, choose_shape
 from scratchlm.training.trainer import train
 
 
@@ -128,16 +130,30 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+#: The fast recipe's shapes for a budget (`scratchlm.training.sizing`), smallest first, each with the steps of
+#: its own it needs in the budget to beat the one before it (measured: docs/experiments.md, "The shape for
+#: the budget"). The smallest fits minutes on a CPU: 2 layers rather than the specification's 4 (so one
+#: value-embedding table) and 8 sequences a step rather than 16, about three times the steps. Given the steps,
+#: 16 sequences a step learn more from the same time: with the batch twice as large a step takes less than
+#: twice as long, and its gradient is less noisy. 4 layers at 16 sequences measured worse than both at every
+#: budget tried, so they are not on the ladder.
+FAST_SHAPES: tuple[Shape, ...] = (
+    Shape(
+        "2 layers, 8 sequences a step",
+        {"model": {"num_layers": 2, "value_embeddings": 1}, "training": {"batch_size": 8}},
+    ),
+    Shape(
+        "2 layers, 16 sequences a step",
+        {"model": {"num_layers": 2, "value_embeddings": 1}, "training": {"batch_size": 16}},
+        min_steps=300,
+    ),
+)
 #: The training recipes of `--recipe`, as changes to `train_config`'s sections: those of
-#: `scratchlm.training.recipes`, each in the quickstart's shape. "fast" takes a shape that fits a budget of
-#: minutes on a CPU: 2 layers rather than 4 (so one value-embedding table) and 8 sequences a step rather than
-#: 16, about twice the steps; its warm-up is the steps that measure the speed.
+#: `scratchlm.training.recipes`, each in the quickstart's shape. "fast" is in the smallest of `FAST_SHAPES`
+#: here (where no budget chooses: a run of a fixed step count, a variant of a benchmark); its warm-up is the
+#: steps that measure the speed.
 QUICKSTART_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
-    "fast": {
-        "model": {"num_layers": 2, "value_embeddings": 1},
-        "schedule": {"warmup_iters": CALIBRATION_STEPS},
-        "training": {"batch_size": 8},
-    },
+    "fast": merged(FAST_SHAPES[0].changes, {"schedule": {"warmup_iters": CALIBRATION_STEPS}}),
 }
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     name: merged(recipe, QUICKSTART_SHAPES.get(name, {})) for name, recipe in TRAINING_RECIPES.items()
@@ -153,8 +169,10 @@ def train_config(
     device: str,
     max_steps: int,
     recipe: str = "spec",
+    shape: Shape | None = None,
 ) -> TrainConfig:
-    """The training configuration of the quickstart's model, trained with `recipe` (a key of `RECIPES`)."""
+    """The training configuration of the quickstart's model, trained with `recipe` (a key of `RECIPES`), in
+    `shape` when given (one of `FAST_SHAPES`, for the fast recipe) rather than the recipe's own."""
     if recipe not in RECIPES:
         raise ScratchlmError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
     values: dict[str, dict[str, Any]] = {
@@ -175,7 +193,7 @@ def train_config(
         "checkpoint": {"interval": 100},
         "logging": {"run_dir": str(run_dir), "log_interval": 5},
     }
-    for section, changes in RECIPES[recipe].items():
+    for section, changes in merged(RECIPES[recipe], shape.changes if shape else {}).items():
         values[section] = values[section] | changes
     return TrainConfig.from_dict(values)
 
@@ -371,9 +389,13 @@ def train_within_budget(
 
     The time budget is the trainer's own (`scratchlm.training.budget`): when `size.max_steps` is None the run
     measures this machine's speed over its first `CALIBRATION_STEPS` steps and sizes its schedule to the steps
-    that fit. The length it chose is copied to `schedule_file` for the reader."""
+    that fit. The length it chose is copied to `schedule_file` for the reader. The fast recipe's shape is
+    chosen for the budget first (`choose_fast_shape`), and the choice written beside it, in shape.json."""
     run = RunDirectory(run_dir)
-    config = train_config(size, data, run_dir, seconds, device, size.max_steps or 0, recipe)
+    shape = None
+    if recipe == "fast" and size.max_steps is None and seconds > 0:
+        shape = choose_fast_shape(size, data, run, seconds, device, schedule_file.with_name("shape.json"))
+    config = train_config(size, data, run_dir, seconds, device, size.max_steps or 0, recipe, shape)
     _check_recipe(run, config, recipe)
     summary = run.summary()
     if summary is not None and summary.stopped not in (StopReason.INTERRUPTED, StopReason.DIVERGED):
@@ -384,6 +406,42 @@ def train_within_budget(
     with atomic_write(schedule_file, "w") as f:
         json.dump({"max_steps": decided[-1] if decided else config.total_steps or summary.steps}, f)
     return summary
+
+
+def choose_fast_shape(
+    size: QuickstartSize, data: PreparedData, run: RunDirectory, seconds: float, device: str, record: Path
+) -> Shape:
+    """The shape of `FAST_SHAPES` for `seconds` of training on `device`, with the precision and threads the
+    run will have (the plan the trainer makes), printed with its reason and written to `record`. A run that
+    already started keeps the shape it started with, whatever this machine measures now."""
+    ladder = [
+        (shape, train_config(size, data, run.path, seconds, device, 0, "fast", shape))
+        for shape in FAST_SHAPES
+    ]
+    started = TrainConfig.load(run.config) if run.config.exists() else None
+    kept = [shape for shape, config in ladder if started and _same_shape(started, config)]
+    if kept:
+        choice = ShapeChoice(kept[0], {}, f"{kept[0].name}, as the run in {run} started")
+    else:
+        choices = plan(torch.device(device), "auto", compile=size.compile)
+        precision, threads = choices.precision.value, choices.threads.value
+        gflops = choices.profile.rate(precision)
+        rate = f"{precision} matmuls at {gflops:,.1f} GFLOP/s" + (
+            f" with {threads} thread{'' if threads == 1 else 's'}" if threads else ""
+        )
+        choice = choose_shape(ladder, seconds, gflops, rate)
+    console.print(f"shape: {choice.reason}")
+    with atomic_write(record, "w") as f:
+        json.dump(choice.to_dict(), f, indent=2)
+    return choice.shape
+
+
+def _same_shape(a: TrainConfig, b: TrainConfig) -> bool:
+    return (a.model.num_layers, a.model.value_embeddings, a.training.batch_size) == (
+        b.model.num_layers,
+        b.model.value_embeddings,
+        b.training.batch_size,
+    )
 
 
 def _check_recipe(run: RunDirectory, config: TrainConfig, recipe: str) -> None:
