@@ -73,13 +73,13 @@ def choose_shape(
     """The largest shape of `ladder` (smallest first, each with the config it gives) whose steps in `budget_s`
     at `gflops` reach its `min_steps`; `rate` says where the rate came from, for the reason."""
     steps = {shape.name: budget_steps(config, budget_s, gflops) for shape, config in ladder}
-    chosen = ladder[0][0]
-    for shape, _ in ladder[1:]:
-        if steps[shape.name] >= shape.min_steps:
-            chosen = shape
-    reason = f"{chosen.name}: the budget buys it about {steps[chosen.name]:,} steps ({rate})"
-    larger = ladder[[shape for shape, _ in ladder].index(chosen) + 1 :]
-    if larger:
-        shape = larger[0][0]
-        reason += f"; {shape.name} would get {steps[shape.name]:,}, short of the {shape.min_steps:,} it needs"
-    return ShapeChoice(chosen, steps, reason)
+    shapes = [shape for shape, _ in ladder]
+    chosen = max(i for i, shape in enumerate(shapes) if i == 0 or steps[shape.name] >= shape.min_steps)
+    shape = shapes[chosen]
+    reason = f"{shape.name}: the budget buys it about {steps[shape.name]:,} steps ({rate})"
+    if chosen + 1 < len(shapes):
+        next_up = shapes[chosen + 1]
+        reason += (
+            f"; {next_up.name} would get {steps[next_up.name]:,}, short of the {next_up.min_steps:,} it needs"
+        )
+    return ShapeChoice(shape, steps, reason)
