@@ -15,11 +15,11 @@ from serve_helpers import chat_run
 from scratchlm.chat.conversations import read_conversations
 from scratchlm.chat.rl.rewards import RewardError
 from scratchlm.chat.rl.rollouts import sample_replies
-from scratchlm.chat.rl.stage import read_prompts, rl_config
+from scratchlm.chat.rl.stage import load_prompts, read_prompts, rl_config
 from scratchlm.chat.template import chat_template
 from scratchlm.errors import ScratchlmError
 from scratchlm.experiments.plot import plot_runs
-from scratchlm.run import Checkpoint
+from scratchlm.run import Checkpoint, RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.training.trainer import train
 
@@ -142,6 +142,25 @@ def test_groups_whose_rewards_are_all_equal_teach_nothing(base_and_prompts):
     assert [r["uniform_groups"] for r in logged] == [1.0, 1.0] and [r["reward"] for r in logged] == [0.0, 0.0]
     before, after = load_trained(base).model.state_dict(), load_trained(root / "uniform").model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_only_the_replies_of_groups_that_teach_are_kept(base_and_prompts, monkeypatch):
+    """The rows of a uniform group never reach a forward pass: a batch keeps the teaching groups' replies with
+    their advantages (reward minus the group's mean, by hand), or, when none teaches, every reply with no row
+    counted."""
+    root, base = base_and_prompts
+    config = config_for(root, base, "kept", "training.batch_size=12", "rl.group_size=4")
+    data = load_prompts(config, RunDirectory(root / "kept"))
+    policy = load_trained(base).model
+    rewards = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]  # the middle group teaches
+    monkeypatch.setattr(type(data.train), "_rewards", lambda self, indices, replies: rewards)
+    rows = data.train.draw(12, np.random.default_rng(0), policy)
+    assert len(rows) == 4 and data.train.counted(rows) == 4
+    assert rows.advantages.tolist() == [-0.25, 0.75, -0.25, -0.25]
+    rewards[:] = [0.0] * 12
+    rows = data.train.draw(12, np.random.default_rng(0), policy)
+    assert len(rows) == 12 and data.train.counted(rows) == 0
+    assert data.train.metrics()["uniform_groups"] == pytest.approx((2 / 3 + 1) / 2)
 
 
 REWARDS = """

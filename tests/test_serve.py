@@ -278,6 +278,22 @@ def test_n_and_a_list_of_prompts(server) -> None:
     assert len({choice.text for choice in sampled.choices}) == 3  # choice i samples with seed + i
 
 
+def test_the_choices_of_one_prompt_share_its_prefill_and_each_equals_generate(server, monkeypatch) -> None:
+    """`n` sampled choices of one prompt are prefilled once (one fresh KV cache for all), and choice i still
+    gets `generate_stream`'s tokens with seed + i, as it would alone."""
+    made = []
+    new_kv_cache = server.model.new_kv_cache
+    monkeypatch.setattr(server.model, "new_kv_cache", lambda *a, **k: made.append(a) or new_kv_cache(*a, **k))
+    sampled = server.client.completions.create(
+        model="tiny-run", prompt="The cat", n=4, max_tokens=16, temperature=1.0, seed=5, **ids_body()
+    )
+    assert len(made) == 1
+    monkeypatch.undo()
+    for choice in sampled.choices:
+        generator = torch.Generator().manual_seed(5 + choice.index)
+        assert token_ids(choice) == server.expected("The cat", 16, temperature=1.0, generator=generator)
+
+
 def test_echo_with_no_new_tokens_scores_the_prompt(server) -> None:
     prompt = "It was a dark and stormy night, and the cat sat"
     ids = server.tokenizer.encode(prompt)

@@ -4,7 +4,8 @@ Requests put sequences in a queue (`submit`); the scheduler thread loops over
 
     admit:  while the batch has room, take a queued sequence and prefill it alone (batch 1, a fresh
             `KVCache`: the same computation as `generate`), sample its first token, copy its keys and
-            values into a free row of the `PaddedKVCache`;
+            values into a free row of the `PaddedKVCache`; sequences admitted together with the same
+            prompt (a request's `n` choices, a group of RL replies) share one prefill;
     step:   one forward pass over the newest token of every row (`(rows, 1)` token ids), each row at its own
             position and attending to its own keys only; sample each row's next token with its own
             `SamplingOptions` and `torch.Generator`;
@@ -223,8 +224,8 @@ class Engine:
                     room = self.max_batch - len(self._active)
                     admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
                 try:
-                    for sequence in admitted:
-                        self._prefill(sequence)
+                    for sharing in _by_prompt(admitted):
+                        self._prefill(sharing)
                     self._leave()
                     if self._active:
                         self._step()
@@ -240,26 +241,36 @@ class Engine:
             self._active.clear()
             self._pending.clear()
 
-    def _prefill(self, sequence: Sequence) -> None:
-        request = sequence.request
-        if sequence.cancelled:
+    def _prefill(self, sequences: list[Sequence]) -> None:
+        """Prefill the prompt that `sequences` share once, alone (batch 1, a fresh `KVCache`), then give each
+        sequence its own row, a copy of the prompt's keys and values, and its first token, drawn with its own
+        generator: a group of replies to one prompt (`n` choices, reinforcement learning's rollouts) costs
+        one prefill, and each reply is what it would be alone."""
+        sequences = [sequence for sequence in sequences if not sequence.cancelled]
+        wanted = [s for s in sequences if s.request.options.max_new_tokens > 0 or s.request.prompt_logprobs]
+        for sequence in sequences:
+            if sequence not in wanted:
+                sequence.emit(Finished("length"))
+        if not wanted:
             return
-        if request.options.max_new_tokens == 0 and not request.prompt_logprobs:
-            sequence.emit(Finished("length"))
-            return
-        prompt = torch.tensor([request.prompt_ids], device=self.device)
+        prompt = torch.tensor([wanted[0].request.prompt_ids], device=self.device)
         cache = self.model.new_kv_cache(1)
         logits = self.model(prompt, kv_cache=cache)[0]
-        if request.prompt_logprobs:
-            top = request.top_logprobs or 0
-            sequence.emit(PromptLogprobs(token_logprobs(logits[:-1], prompt[0, 1:], top)))
-        if request.options.max_new_tokens == 0:
-            sequence.emit(Finished("length"))
-            return
-        self.cache.store(len(self._active), cache)
-        with self._lock:
-            self._active.append(sequence)
-        self._sample([sequence], logits[-1:])
+        starting = []
+        for sequence in wanted:
+            request = sequence.request
+            if request.prompt_logprobs:
+                top = request.top_logprobs or 0
+                sequence.emit(PromptLogprobs(token_logprobs(logits[:-1], prompt[0, 1:], top)))
+            if request.options.max_new_tokens == 0:
+                sequence.emit(Finished("length"))
+                continue
+            self.cache.store(len(self._active), cache)
+            with self._lock:
+                self._active.append(sequence)
+            starting.append(sequence)
+        if starting:
+            self._sample(starting, logits[-1:].expand(len(starting), -1))
 
     def _step(self) -> None:
         self.cache.batch_size = len(self._active)
@@ -317,3 +328,11 @@ class Engine:
                 else:
                     row += 1
             self.cache.batch_size = len(self._active)
+
+
+def _by_prompt(sequences: list[Sequence]) -> list[list[Sequence]]:
+    """`sequences` grouped by their prompts' token ids, in the order each prompt first comes."""
+    groups: dict[tuple[int, ...], list[Sequence]] = {}
+    for sequence in sequences:
+        groups.setdefault(tuple(sequence.request.prompt_ids), []).append(sequence)
+    return list(groups.values())

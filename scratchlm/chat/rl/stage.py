@@ -179,10 +179,10 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
 
 @dataclass(frozen=True)
 class Rollouts:
-    """A batch of replies, one a row, right-padded: `inputs` and `targets` (the prompt and reply, shifted by
-    one), `mask` (the targets that are the reply's), the replies' token log-probabilities under the sampling
-    policy and the starting model, each row's advantage, and whether its group teaches (`counted`). Sliced by
-    row for the processes and micro-batches."""
+    """The replies of a batch that its loss sees (`PromptSet.draw`), one a row, right-padded: `inputs` and
+    `targets` (the prompt and reply, shifted by one), `mask` (the targets that are the reply's), the replies'
+    token log-probabilities under the sampling policy and the starting model, each row's advantage, and
+    whether its group teaches (`counted`). Sliced by row for the micro-batches."""
 
     inputs: Int[Tensor, "rows seq"]
     targets: Int[Tensor, "rows seq"]
@@ -262,8 +262,11 @@ class PromptSet:
         return rewards
 
     def draw(self, batch_size: int, generator: np.random.Generator, policy: TransformerLM) -> Rollouts:
-        """`batch_size / group_size` prompts and `group_size` replies to each, sampled by `policy`, scored, with
-        their advantages and log-probabilities."""
+        """`batch_size / group_size` prompts and `group_size` replies to each, sampled by `policy` and scored;
+        the replies of the groups that teach (whose rewards differ) with their advantages and
+        log-probabilities. The others would only be multiplied by zero: leaving them out before any forward
+        pass saves the passes on them (about half the replies of a model that already answers well). When no
+        group teaches, every reply is kept, counted by no loss, so that the KL and entropy are still measured."""
         s = self.settings
         chosen = generator.integers(0, len(self.prompts), size=batch_size // s.group_size)
         seeds = generator.integers(0, np.iinfo(np.int64).max, size=batch_size).tolist()
@@ -271,16 +274,18 @@ class PromptSet:
         replies = self._replies(policy, indices, s.temperature, seeds)
         rewards = torch.tensor(self._rewards(indices, replies)).view(-1, s.group_size)
         uniform = uniform_groups(rewards)
+        teaching = (~uniform).repeat_interleave(s.group_size)
+        kept = teaching.nonzero()[:, 0].tolist() if teaching.any() else list(range(batch_size))
         device = next(policy.parameters()).device
-        rows = [self.ids[i] + reply for i, reply in zip(indices, replies, strict=True)]
+        rows = [self.ids[indices[r]] + replies[r] for r in kept]
         width = max(len(row) for row in rows) - 1
         inputs = torch.zeros(len(rows), width, dtype=torch.long)
         targets = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for r, (i, row) in enumerate(zip(indices, rows, strict=True)):
-            inputs[r, : len(row) - 1] = torch.tensor(row[:-1])
-            targets[r, : len(row) - 1] = torch.tensor(row[1:])
-            mask[r, len(self.ids[i]) - 1 : len(row) - 1] = True
+        for k, (r, row) in enumerate(zip(kept, rows, strict=True)):
+            inputs[k, : len(row) - 1] = torch.tensor(row[:-1])
+            targets[k, : len(row) - 1] = torch.tensor(row[1:])
+            mask[k, len(self.ids[indices[r]]) - 1 : len(row) - 1] = True
         inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
         with torch.no_grad():
             logits = policy(inputs)
@@ -288,11 +293,10 @@ class PromptSet:
             if self.reference is None:
                 self.reference = load_trained(s.base, device).model
             ref_logprobs = token_logprobs(self.reference(inputs), targets)
-            # How far the policy is from the start, and how sure it is, over every reply token it sampled.
+            # How far the policy is from the start, and how sure it is, over the reply tokens kept.
             kl = (kl_estimate(old_logprobs, ref_logprobs) * mask).sum() / mask.sum()
             entropy = (token_entropy(logits) * mask).sum() / mask.sum()
-        advantages = group_advantages(rewards, s.normalize_std).flatten().to(device)
-        counted = (~uniform).repeat_interleave(s.group_size).to(device)
+        advantages = group_advantages(rewards, s.normalize_std).flatten()[kept].to(device)
         self.batch_stats.append(
             {
                 "reward": rewards.mean().item(),
@@ -302,7 +306,9 @@ class PromptSet:
                 "entropy": entropy.item(),
             }
         )
-        return Rollouts(inputs, targets, mask, old_logprobs, ref_logprobs, advantages, counted)
+        return Rollouts(
+            inputs, targets, mask, old_logprobs, ref_logprobs, advantages, teaching[kept].to(device)
+        )
 
     def counted(self, rows: Rollouts) -> int:
         """The replies the loss counts: those of groups whose rewards differ."""
