@@ -21,6 +21,7 @@ from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import Checkpoint, RunSummary, StopReason
 from scratchlm.training import schedule
 from scratchlm.training.config import TrainConfig
+from scratchlm.training.report import how_to_resume, resume_hint
 
 VOCAB = 64
 
@@ -260,10 +261,21 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004.pt"]
 
 
-def test_time_budget_stops_with_a_checkpoint(tmp_path):
+def test_time_budget_stops_with_a_checkpoint(tmp_path, capsys):
     summary = train(small_config(tmp_path, training={"max_time_s": 1e-6}))
     assert summary.stopped is StopReason.TIME_BUDGET and summary.steps == 1
     assert (tmp_path / "run" / "checkpoints" / "step_00000001.pt").exists()
+    assert "time budget at step 1" in (err := capsys.readouterr().err) and "(continue with --resume)" in err
+
+
+def test_a_command_that_reruns_to_continue_says_so_after_an_interruption_only(tmp_path, capsys):
+    """The quickstart and sweep continue an interrupted run when run again, and take one that used its time
+    budget as done: after a time budget, their hint would be false, so none is said."""
+    with resume_hint("rerun `scratchlm quickstart` to continue"):
+        train(small_config(tmp_path, training={"max_time_s": 1e-6}))
+        assert how_to_resume(StopReason.INTERRUPTED) == "rerun `scratchlm quickstart` to continue"
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("time budget at"))
+    assert line.endswith(f"checkpoint in {tmp_path / 'run' / 'checkpoints'}")
 
 
 def test_bad_data_is_reported_before_training(tmp_path):

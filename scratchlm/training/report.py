@@ -91,9 +91,11 @@ NO_TOKENIZER = (
     "(--set data.tokenizer=DIR)"
 )
 
-# How the user continues a run that stopped before its end, as the command that trains it says it: `train` and
-# `sft` take --resume; `quickstart` and `sweep` resume when the same command runs again (`resume_hint`).
-_RESUME_HINT: ContextVar[str] = ContextVar("resume_hint", default="continue with --resume")
+# How the user continues a run that stopped before its end, as the command that trains it says it: `train`, `sft`
+# and `rl` take --resume (after a time budget, with a larger one); `quickstart` and `sweep` resume an
+# interrupted run when the same command runs again (`resume_hint`), and take one that used its time budget as
+# done, so theirs is said after an interruption only.
+_RESUME_HINT: ContextVar[str | None] = ContextVar("resume_hint", default=None)
 
 
 @contextlib.contextmanager
@@ -106,9 +108,13 @@ def resume_hint(text: str) -> Iterator[None]:
         _RESUME_HINT.reset(token)
 
 
-def how_to_resume() -> str:
-    """What an interrupted run tells the user to do to continue it (`resume_hint`)."""
-    return _RESUME_HINT.get()
+def how_to_resume(stopped: StopReason = StopReason.INTERRUPTED) -> str | None:
+    """What a run that stopped for `stopped` tells the user to do to continue it (`resume_hint`), or None when
+    there is nothing to say: it finished, or its command takes a used time budget as the end."""
+    hint = _RESUME_HINT.get()
+    if stopped is StopReason.FINISHED or (hint is not None and stopped is not StopReason.INTERRUPTED):
+        return None
+    return hint or "continue with --resume"
 
 
 class Reporter:
@@ -227,7 +233,7 @@ class Reporter:
                 else f"val loss {_fmt(summary.final_val_loss)}; "
             )
             + f"checkpoint in {self.run_dir.checkpoints_dir}"
-            + ("" if summary.stopped is StopReason.FINISHED else f" ({how_to_resume()})")
+            + ("" if (hint := how_to_resume(summary.stopped)) is None else f" ({hint})")
         )
 
     def already_finished(self, step: int, without_losses: RunSummary) -> RunSummary:
