@@ -223,3 +223,33 @@ def test_the_example_config_reads_as_documented(base_and_data):
     assert config.training.batch_size == SFT_DEFAULTS["training"]["batch_size"]
     base_model = load_trained(base).model.config
     assert config.model == dataclasses.replace(base_model, vocab_size=config.model.vocab_size)
+
+
+def test_exact_match_cuts_replies_past_the_answer_and_scores_as_uncut_replies_do(tmp_path, monkeypatch):
+    """The oracle: each conversation's reply written to its end of turn or the end of the context, compared
+    with the answer. Half the answers are the model's own uncut replies (some run to the end of the context),
+    half the tasks' answers; `exact_match` scores them the same while no reply it writes is longer than its
+    answer's bytes plus one."""
+    from serve_helpers import chat_run
+
+    from scratchlm.chat import tasks
+    from scratchlm.chat.template import Message
+
+    trained = load_trained(chat_run(tmp_path / "chat", context=48, seed=1))
+    model, template = trained.model, chat_template(trained.tokenizer)
+    conversations, _ = build_tasks(24, 0, seed=3)
+    uncut = [tasks.greedy_reply(model, template, c[:-1]) for c in conversations]
+    for i, c in enumerate(conversations):
+        if i % 2 == 0:
+            c[-1] = Message("assistant", uncut[i])
+    expected = sum(u == c[-1].content for u, c in zip(uncut, conversations, strict=True)) / len(conversations)
+    assert 0.5 <= expected < 1 and max(map(len, uncut)) > 40  # some uncut replies ran long
+    budgets = []
+    generate = tasks.generate
+    monkeypatch.setattr(
+        tasks, "generate", lambda *a, **k: budgets.append(k["max_new_tokens"]) or generate(*a, **k)
+    )
+    assert tasks.exact_match(model, template, conversations) == expected
+    assert budgets == [
+        min(len(c[-1].content.encode()) + 1, max(0, 48 - len(template.encode(c[:-1])))) for c in conversations
+    ]

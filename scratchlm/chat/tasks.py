@@ -103,12 +103,17 @@ def fresh_conversations(count: int, stream: str, asked: set[str]) -> list[list[M
 
 
 def greedy_reply(
-    model: TransformerLM, template: ChatTemplate | JinjaChatTemplate, messages: list[Message]
+    model: TransformerLM,
+    template: ChatTemplate | JinjaChatTemplate,
+    messages: list[Message],
+    max_new_tokens: int | None = None,
 ) -> str:
-    """The model's greedy answer to `messages`, up to its end of turn or the end of the context (the model runs
-    in the dtype of its weights, under any autocast the caller has entered)."""
+    """The model's greedy answer to `messages`, up to its end of turn, `max_new_tokens` or the end of the
+    context (the model runs in the dtype of its weights, under any autocast the caller has entered)."""
     prompt = template.encode(messages, add_generation_prompt=True)
     budget = max(0, model.config.context_length - len(prompt))
+    if max_new_tokens is not None:
+        budget = min(budget, max_new_tokens)
     answer = generate(model, prompt, max_new_tokens=budget, temperature=0, stop_ids=template.stop_ids)
     return template.tokenizer.decode([t for t in answer if t not in template.stop_ids])
 
@@ -117,6 +122,11 @@ def exact_match(
     model: TransformerLM, template: ChatTemplate | JinjaChatTemplate, conversations: list[list[Message]]
 ) -> float:
     """The share of conversations whose last assistant message the model reproduces exactly, answering the
-    conversation before it greedily."""
-    right = sum(greedy_reply(model, template, c[:-1]) == c[-1].content for c in conversations)
+    conversation before it greedily. A reply is cut one token past the answer's length in bytes: every token
+    but the end of turn decodes to at least one byte, so a longer reply cannot be the answer, and a model that
+    never ends its turn (a base model) is scored without writing to the end of its context."""
+    right = 0
+    for c in conversations:
+        longest = len(c[-1].content.encode("utf-8")) + 1
+        right += greedy_reply(model, template, c[:-1], longest) == c[-1].content
     return right / len(conversations)
