@@ -247,17 +247,15 @@ class Engine:
         generator: a group of replies to one prompt (`n` choices, reinforcement learning's rollouts) costs
         one prefill, and each reply is what it would be alone."""
         sequences = [sequence for sequence in sequences if not sequence.cancelled]
-        wanted = [s for s in sequences if s.request.options.max_new_tokens > 0 or s.request.prompt_logprobs]
-        for sequence in sequences:
-            if sequence not in wanted:
+        if not any(s.request.options.max_new_tokens or s.request.prompt_logprobs for s in sequences):
+            for sequence in sequences:  # none needs the prompt's logits
                 sequence.emit(Finished("length"))
-        if not wanted:
             return
-        prompt = torch.tensor([wanted[0].request.prompt_ids], device=self.device)
+        prompt = torch.tensor([sequences[0].request.prompt_ids], device=self.device)
         cache = self.model.new_kv_cache(1)
         logits = self.model(prompt, kv_cache=cache)[0]
         starting = []
-        for sequence in wanted:
+        for sequence in sequences:
             request = sequence.request
             if request.prompt_logprobs:
                 top = request.top_logprobs or 0
