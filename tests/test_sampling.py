@@ -184,7 +184,8 @@ def per_row(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def test_top_p_filter_matches_a_stable_float_sort_of_each_row():
-    # The filter sorts all rows at once as integers; the result must be the per-row float sort's, ties included.
+    # The filter sorts float32 rows by value only and picks the tokens by threshold; the result must be the
+    # per-row stable sort's, ties included.
     generator = torch.Generator().manual_seed(0)
     for shape, scale in [((16, 1000), 0.1), ((3, 61), 1.0), ((2, 3, 50), 5.0), ((61,), 30.0)]:
         probs = torch.softmax(torch.randn(shape, generator=generator) * scale, dim=-1)
@@ -195,8 +196,8 @@ def test_top_p_filter_matches_a_stable_float_sort_of_each_row():
 
 
 def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_each_row():
-    """Rows of 10,000 tokens: peaked ones (the nucleus among the 64 most likely), ones whose nucleus needs
-    hundreds of tokens, and flat ones (the whole row sorted), ties included, several rows at once."""
+    """Rows of 10,000 tokens: peaked ones (a nucleus of a few tokens), ones whose nucleus needs hundreds, and
+    flat ones (most of the row), with ties cut by the nucleus's end, several rows at once."""
     generator = torch.Generator().manual_seed(1)
     for rows, scale in [(1, 8.0), (3, 8.0), (2, 3.0), (1, 0.3), (4, 1.5)]:
         probs = torch.softmax(torch.randn(rows, 10_000, generator=generator) * scale, dim=-1)
@@ -204,18 +205,3 @@ def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_eac
         for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
             for p in (0.1, 0.5, 0.9, 0.95):
                 assert torch.equal(top_p_filter(x, p), per_row(x, p)), (rows, scale, p)
-
-
-def test_a_flat_rows_nucleus_is_found_among_its_least_likely_tokens():
-    """A flat row (an untrained model's): the nucleus ends among the least likely quarter of the tokens, found
-    there without sorting the row, with the stable sort's result; a row whose nucleus ends earlier is left to
-    the other paths."""
-    from scratchlm.generation.sampling import TAIL_SHARE, _nucleus_ending_among
-
-    generator = torch.Generator().manual_seed(2)
-    probs = torch.softmax(torch.randn(3, 10_000, generator=generator) * 0.4, dim=-1)
-    least = probs <= torch.kthvalue(probs, 10_000 // TAIL_SHARE, dim=-1).values[:, None]
-    kept = _nucleus_ending_among(probs, least, 0.9)
-    assert kept is not None
-    assert torch.equal(kept / kept.sum(dim=-1, keepdim=True), per_row(probs, 0.9))
-    assert _nucleus_ending_among(probs, least, 0.3) is None
