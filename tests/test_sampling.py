@@ -205,3 +205,15 @@ def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_eac
         for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
             for p in (0.1, 0.5, 0.9, 0.95):
                 assert torch.equal(top_p_filter(x, p), per_row(x, p)), (rows, scale, p)
+
+
+def test_a_generator_a_row_draws_what_each_row_draws_alone():
+    """Rows drawn in one call with a generator each give the tokens of drawing each row alone with its
+    generator, and leave each generator where drawing alone leaves it."""
+    probs = next_token_probs(torch.randn(6, 300, generator=torch.Generator().manual_seed(3)), 1.0, 0.9)
+    together = [torch.Generator().manual_seed(seed) for seed in range(6)]
+    alone = [torch.Generator().manual_seed(seed) for seed in range(6)]
+    for _ in range(3):
+        expected = torch.cat([draw(probs[i : i + 1], alone[i]) for i in range(6)])
+        assert torch.equal(draw(probs, together), expected)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(together, alone, strict=True))

@@ -294,9 +294,9 @@ class Engine:
                 for i, row in enumerate(rows):
                     drawn[row] = greedy[i : i + 1]
                 continue
-            probs = options.probs(group_logits)
+            group_drawn = draw(options.probs(group_logits), [sequences[row].generator for row in rows])
             for i, row in enumerate(rows):
-                drawn[row] = draw(probs[i : i + 1], sequences[row].generator)
+                drawn[row] = group_drawn[i : i + 1]
         tokens = torch.cat(drawn)
         for row, (sequence, token_id) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
             request = sequence.request
