@@ -42,6 +42,24 @@ def test_chunks_of_any_size_equal_full_forward():
     torch.testing.assert_close(torch.cat(pieces, dim=1), model(tokens), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+@torch.no_grad()
+def test_the_last_positions_logits_alone_equal_the_full_forwards(softcap):
+    """`last_only`: the logits of the last position, with a cache and without, one row of the full pass's."""
+    model = tiny_model(logit_softcap=softcap)
+    tokens = ids(3, 9, seed=3)
+    full = model(tokens)
+    last = model(tokens, last_only=True)
+    assert last.shape == (3, 1, TINY.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-6, rtol=1e-5)
+    cache = model.new_kv_cache(3)
+    model(tokens[:, :4], kv_cache=cache, last_only=True)
+    torch.testing.assert_close(
+        model(tokens[:, 4:], kv_cache=cache, last_only=True), full[:, -1:], atol=1e-5, rtol=1e-4
+    )
+    assert cache.length == 9
+
+
 @torch.no_grad()
 def test_the_cache_holds_the_context_and_refuses_more():
     model = tiny_model()

@@ -111,17 +111,17 @@ def _generation_steps(
             if tokens.shape[1] > context_length:
                 # The sequence outgrew the context: recompute on the sliding window from now on.
                 cache = decoder = None
-                logits = model(tokens[:, -context_length:])[:, -1]
+                logits = model(tokens[:, -context_length:], last_only=True)[:, -1]
             elif decoder is not None:
                 logits = decoder.step(tokens[:, -1])
             elif cache is not None:
                 # Prefill on the first step (every prompt token), then one new position per step.
-                logits = model(tokens[:, cache.length :], kv_cache=cache)[:, -1]
+                logits = model(tokens[:, cache.length :], kv_cache=cache, last_only=True)[:, -1]
                 steps_left = min(options.max_new_tokens - step - 1, context_length - tokens.shape[1])
                 if switch is not None and (decoder := switch.decoder(cache, steps_left)) is not None:
                     cache = None
             else:
-                logits = model(tokens[:, -context_length:])[:, -1]
+                logits = model(tokens[:, -context_length:], last_only=True)[:, -1]
             next_tokens = options.sample(logits, generator)
             yield next_tokens, active.clone()
             if stops:

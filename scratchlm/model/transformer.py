@@ -175,16 +175,20 @@ class TransformerLM(ConfigModule):
         token_ids: Int[Tensor, "... seq"],
         kv_cache: KVCache | PaddedKVCache | WholeWindowKVCache | None = None,
         targets: Int[Tensor, "... seq"] | None = None,
+        last_only: bool = False,
     ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
         """The logits; with `targets`, instead, the mean cross-entropy loss of predicting them, computed with
         the LM head over chunks of tokens so that the logits never exist whole
-        (`scratchlm.model.loss.fused_linear_cross_entropy`; equal to `cross_entropy(model(ids), targets)`)."""
+        (`scratchlm.model.loss.fused_linear_cross_entropy`; equal to `cross_entropy(model(ids), targets)`).
+        `last_only`: the logits of the last position alone, `(..., 1, vocab_size)`, which is what generating
+        after a prompt needs; the LM head is then one row's product instead of one a position (for a prompt
+        of 200 tokens and a vocabulary of 10,000, a third of the pass)."""
         if not (self.one_token_without_onednn and token_ids.numel() == 1):
-            return self._forward(token_ids, kv_cache, targets)
+            return self._forward(token_ids, kv_cache, targets, last_only)
         onednn = torch.backends.mkldnn  # a process-wide switch (its `flags()` context warns on every CPU)
         enabled, onednn.enabled = onednn.enabled, False
         try:
-            return self._forward(token_ids, kv_cache, targets)
+            return self._forward(token_ids, kv_cache, targets, last_only)
         finally:
             onednn.enabled = enabled
 
@@ -193,6 +197,7 @@ class TransformerLM(ConfigModule):
         token_ids: Int[Tensor, "... seq"],
         kv_cache: KVCache | PaddedKVCache | WholeWindowKVCache | None,
         targets: Int[Tensor, "... seq"] | None,
+        last_only: bool = False,
     ) -> Float[Tensor, "... seq vocab_size"] | Float[Tensor, ""]:
         seq = token_ids.shape[-1]
         if seq > self.config.context_length:
@@ -230,7 +235,7 @@ class TransformerLM(ConfigModule):
             kv_cache.advance(seq)
         if targets is not None:
             return fused_linear_cross_entropy(x, self.lm_head.weight, targets, self.config.logit_softcap)
-        logits = self.lm_head(x)
+        logits = self.lm_head(x[..., -1:, :] if last_only else x)
         if self.config.logit_softcap:
             # In at least float32 (tanh in bfloat16 would round most logits): about the identity for |z| << c
             # and bounded by ±c, so no logit can run away from the others.

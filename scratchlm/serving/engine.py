@@ -253,7 +253,9 @@ class Engine:
             return
         prompt = torch.tensor([sequences[0].request.prompt_ids], device=self.device)
         cache = self.model.new_kv_cache(1)
-        logits = self.model(prompt, kv_cache=cache)[0]
+        # The prompt's own logits only where a sequence reports their log-probabilities.
+        every_position = any(sequence.request.prompt_logprobs for sequence in sequences)
+        logits = self.model(prompt, kv_cache=cache, last_only=not every_position)[0]
         starting = []
         for sequence in sequences:
             request = sequence.request
