@@ -14,7 +14,8 @@ is, and is printed apart). Rows:
 - scratchlm eager (`compile=False`) and compiled (`compile=True`, `scratchlm.generation.decode`);
 - each row's bytes of weights a token reads, times tokens/s, over the memory bandwidth `scratchlm doctor`
   measures: how close to the memory-bound limit it decodes;
-- prefill of a 200-token prompt, tokens/s;
+- prefill of a 200-token prompt, tokens/s (the last position's logits, as generating needs and llama.cpp
+  computes by default);
 - whether the greedy tokens of scratchlm fp32 and llama.cpp f32 are the same.
 
 The serving engine's throughput at 16 concurrent sequences, eager against compiled, is
@@ -113,7 +114,7 @@ def scratchlm_prefill(model: TransformerLM, prompt: list[int], repeats: int) -> 
     with torch.no_grad():
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            model(ids, kv_cache=model.new_kv_cache(1))
+            model(ids, kv_cache=model.new_kv_cache(1), last_only=True)  # as `generate`'s prefill
             best = min(best, time.perf_counter() - start)
     return len(prompt) / best
 
