@@ -104,6 +104,18 @@ def test_models_lists_the_served_model(server) -> None:
     assert info["parameters"] == server.model.num_parameters() and info["context_length"] == CONTEXT
 
 
+def test_an_idle_connection_outlives_the_clients_own_keep_alive(server) -> None:
+    """The `openai` client keeps an idle connection for reuse for 5 s (httpx's default): one idle for longer
+    than that still takes a request, so the server never closes a connection a client is sending on."""
+    connection = connect(server.url)
+    for _ in range(2):
+        connection.request("GET", "/v1/models")
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["data"][0]["id"] == "tiny-run"
+        time.sleep(6)
+    connection.close()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_greedy_tokens_equal_generate_alone(server, stream: bool) -> None:
     for prompt in PROMPTS[:3]:

@@ -20,6 +20,12 @@ from scratchlm.serving.api import create_app
 from scratchlm.serving.engine import Engine
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
+# How long an idle connection stays open. Longer than clients keep an idle connection for reuse (the `openai`
+# client, through httpx: 5 s; a proxy in front: 60 s), so that the client always drops it first: a server
+# that closes it at the moment the client sends on it again drops that request ("server disconnected
+# without sending a response"), which uvicorn's default of 5 s, equal to httpx's, makes a race.
+KEEP_ALIVE_SECONDS = 65
+
 
 class Server(uvicorn.Server):
     """uvicorn's server, which stops the engine as soon as it is asked to exit."""
@@ -46,7 +52,13 @@ def build_server(
     """A server for a started `engine` on `host:port` (port 0: a free one, see `Server.servers`)."""
     app = create_app(engine, tokenizer, model_name, api_key)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, access_log=False
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        access_log=False,
     )
     return Server(config, engine)
 
