@@ -12,7 +12,7 @@ from scratchlm.device import decode_timings
 from scratchlm.device.decode_timings import ASSUMED, DecodeTimings, worth_compiling
 from scratchlm.device.planning import plan
 from scratchlm.generation import decode
-from scratchlm.generation.decode import Decoder, bucket
+from scratchlm.generation.decode import Decoder, bucket, window_buckets
 from scratchlm.generation.generate import generate, generate_stream
 from scratchlm.model.kv_cache import WholeWindowKVCache
 
@@ -235,4 +235,45 @@ def test_a_step_is_compiled_again_for_another_thread_count():
             assert generate(model, batch, 10, temperature=0, compile=True) == eager
     finally:
         torch.set_num_threads(threads)
-    assert set(decode._DECODERS[model][1]._steps) == {(1, 1), (1, 2)}
+    window = SMALL.context_length  # one row of this model: no window buckets
+    assert set(decode._DECODERS[model][1]._steps) == {(1, window, 1), (1, window, 2)}
+
+
+def test_windows_are_bucketed_where_the_rows_keys_and_values_weigh_a_quarter_of_the_weights():
+    """By hand: the TinyStories shape holds 17,576,448 weights past the embedding, 70.3 MB in fp32; a row's
+    keys and values over the context are 4 layers x 2 x 256 positions x 512 x 4 bytes = 4.19 MB. Four rows
+    (16.8 MB) stay under a quarter of the weights (17.6 MB), eight (33.6 MB) do not."""
+    model = TransformerLM.from_config(ModelConfig())
+    assert model.num_parameters(non_embedding=True) == 17_576_448
+    assert [window_buckets(model, rows) for rows in (1, 4, 8, 16)] == [[256], [256], [64, 128, 256]] + [
+        [64, 128, 256]
+    ]
+
+
+# Few weights and a long context: from two rows on, a step's keys and values outweigh a quarter of them.
+LONG = dict(context_length=64, d_model=16, num_heads=2, num_kv_heads=2, d_ff=192)
+
+
+def test_a_bucketed_window_gives_the_eager_tokens_across_its_bounds():
+    """Three sequences whose lengths cross 16 and 32 positions: the step moves from a window of 16 positions
+    to 32 and 64, compiled at each, and gives the eager tokens; a generation of one row compiles the whole
+    window only."""
+    model = small_model(**LONG)
+    assert window_buckets(model, 1) == [64] and window_buckets(model, 4) == [16, 32, 64]
+    batch = prompts(3, 5)
+    eager = generate(model, batch, 50, temperature=0, compile=False)
+    assert generate(model, batch, 50, temperature=0, compile=True) == eager
+    threads = torch.get_num_threads()
+    assert set(decode._DECODERS[model][3]._steps) == {(3, w, threads) for w in (16, 32, 64)}
+    generate(model, batch[:1], 20, temperature=0, compile=True)
+    assert set(decode._DECODERS[model][1]._steps) == {(1, 64, threads)}
+
+
+def test_the_server_compiles_every_window_of_a_bucket_before_it_measures():
+    model = small_model(**LONG)
+    decoder = Decoder(model, 4, compiled=True)
+    assert not decoder.is_compiled_for(3)
+    decoder.measure(3)
+    assert decoder.is_compiled_for(3) and decoder.is_compiled_for(4)
+    threads = torch.get_num_threads()
+    assert {key for key in decoder._steps if key[0] == 4} == {(4, w, threads) for w in (16, 32, 64)}

@@ -7,9 +7,9 @@ pass is some 400 small operations, and each is a Python call, a dispatch and a k
 than its arithmetic. The remedy is the gpt-fast recipe:
 
 1. Give every step the same shape. The rows (sequences) are padded up to a bucket (1, 2, 4, 8, 16, ...), the
-   keys and values live in a preallocated `PaddedKVCache` written in place, and every step attends over the
-   whole window under each row's mask (`WholeWindowKVCache`): nothing about a step depends on how long the
-   sequences are.
+   keys and values live in a preallocated `PaddedKVCache` written in place, and every step attends over a
+   fixed window of positions under each row's mask (`WholeWindowKVCache`): nothing about a step depends on
+   how long the sequences are.
 2. Compile that step once per bucket with Inductor: it fuses the elementwise operations (RoPE, RMSNorm,
    SwiGLU's gate, the softmax) into a few loops and writes or calls the matrix products, so a step is a
    handful of kernels with no Python between them. On a GPU the step goes through `torch.compile` and is
@@ -18,6 +18,13 @@ than its arithmetic. The remedy is the gpt-fast recipe:
    the step is traced once into a graph of ATen operations (`make_fx`, over the cache's tensors as inputs)
    and compiled by Inductor without Dynamo (`torch._inductor.standalone_compile`), and a call runs the
    generated code alone.
+
+The window is the whole context, except where the rows' keys and values weigh as much as a good part of the
+weights (`window_buckets`). A step reads every weight once and every row's keys and values over its window
+once; with many rows the keys and values are most of those bytes (16 rows of the TinyStories shape: 67 MB of
+them over the whole context, against 70 MB of weights), and so of the time. There the window is bucketed too
+(a quarter of the context, a half, the whole), and a step runs at the smallest bucket that holds its longest
+row: three compilations instead of one, and sequences of ordinary lengths read a half or a quarter of it.
 
 Prefill (a prompt of any length) stays eager: it is one pass of many tokens, where the operations are large
 and their overhead does not count. Its keys and values are copied into the decoder's rows (`store`).
@@ -55,7 +62,7 @@ from scratchlm.device.decode_timings import (
     timings_key,
     worth_compiling,
 )
-from scratchlm.model.kv_cache import KVCache, WholeWindowKVCache
+from scratchlm.model.kv_cache import KVCache, WholeWindowKVCache, decode_dtype
 from scratchlm.model.layers import hold_rows_for_decoding, tracing_step
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.precisions import DTYPE_NAMES
@@ -69,6 +76,28 @@ def bucket(rows: int, max_rows: int) -> int:
     while size < rows:
         size *= 2
     return min(size, max_rows)
+
+
+# Windows are bucketed where the rows' keys and values over the whole context weigh at least this share of
+# the weights: below it, the bytes saved do not pay for the two more compilations.
+WINDOW_SHARE = 0.25
+
+
+def window_buckets(model: TransformerLM, rows: int) -> list[int]:
+    """The windows (numbers of key positions) a compiled step of `rows` rows runs at: the context, and on a
+    CPU a quarter and a half of it too where the rows' keys and values over the whole context weigh at least
+    `WINDOW_SHARE` of the weights (as they are held: the cache in `decode_dtype`, the weights in theirs)."""
+    config, weight = model.config, model.lm_head.weight
+    held = torch.empty((), dtype=decode_dtype(weight.dtype, weight.device))
+    per_position = 2 * config.num_layers * config.kv_heads * config.head_dim * held.element_size()
+    kv_bytes = rows * config.context_length * per_position
+    weight_bytes = model.num_parameters(non_embedding=True) * weight.element_size()
+    context = config.context_length
+    # On a GPU the whole context: there the buckets are graphs of one `torch.compile`d function, which
+    # recompiles for at most `torch._dynamo.config.recompile_limit` shapes, fewer than the buckets' windows.
+    if weight.is_cuda or kv_bytes < WINDOW_SHARE * weight_bytes:
+        return [context]
+    return sorted({max(1, context // 4), max(1, context // 2), context})
 
 
 def _step(model: TransformerLM, cache: WholeWindowKVCache, tokens: Tensor) -> Tensor:
@@ -113,9 +142,9 @@ class Decoder:
     """Decode steps for up to `max_rows` sequences held in `cache` (a `PaddedKVCache`), eager or `compiled`.
 
     Eager, a step runs on the rows in use and the keys of the longest row, as the serving engine always has.
-    Compiled, it runs at the bucket of the rows in use over the whole window; the first step of each bucket
-    (and thread count) compiles it (`compile_seconds` adds up the time), said through `announce` before and
-    after, so a command can show what it waits for."""
+    Compiled, it runs at the bucket of the rows in use, over the smallest of its `window_buckets` that holds
+    the longest row; the first step of each bucket, window and thread count compiles it (`compile_seconds`
+    adds up the time), said through `announce` before and after, so a command can show what it waits for."""
 
     def __init__(
         self,
@@ -130,11 +159,13 @@ class Decoder:
         self.compile_seconds = 0.0
         self.step_seconds: list[float] = []  # the compiled steps' times, compilations left out
         self.eager_buckets: set[int] = set()  # sizes where the compiled step measured no faster (`measure`)
-        self._views: dict[int, WholeWindowKVCache] = {}
-        self._tokens: dict[int, Tensor] = {}
-        # The compiled step of each bucket and thread count: Inductor's loops are written for the threads
-        # they will run on (a step compiled for 1 thread runs on 1 whatever `torch.get_num_threads` says).
-        self._steps: dict[tuple[int, int], Callable[[Tensor], Tensor]] = {}
+        self._windows = {size: window_buckets(model, size) for size in range(1, max_rows + 1)}
+        self._views: dict[tuple[int, int], WholeWindowKVCache] = {}  # by bucket and window
+        self._tokens: dict[int, Tensor] = {}  # by bucket
+        # The compiled step of each bucket, window and thread count: Inductor's loops are written for the
+        # threads they will run on (a step compiled for 1 thread runs on 1 whatever `torch.get_num_threads`
+        # says).
+        self._steps: dict[tuple[int, int, int], Callable[[Tensor], Tensor]] = {}
         self._on_gpu = self.cache.layers[0].keys.is_cuda
         if compiled and not self._on_gpu:
             # The compiled step reads each weight by rows (`Linear.forward`), while the eager products
@@ -146,40 +177,49 @@ class Decoder:
             # CUDA graph; the cache's tensors keep their addresses, so the graph writes to them.
             self._graphed = torch.compile(_step, dynamic=False, mode="reduce-overhead", fullgraph=True)
 
-    def _view(self, rows: int) -> WholeWindowKVCache:
-        view = self._views.get(rows)
+    def _view(self, rows: int, window: int) -> WholeWindowKVCache:
+        view = self._views.get((rows, window))
         if view is None:
-            view = self._views[rows] = WholeWindowKVCache(self.cache, rows)
-            self._tokens[rows] = torch.zeros(rows, 1, dtype=torch.long, device=view.positions.device)
+            view = self._views[rows, window] = WholeWindowKVCache(self.cache, rows, window)
+            if rows not in self._tokens:
+                self._tokens[rows] = torch.zeros(rows, 1, dtype=torch.long, device=view.positions.device)
             for tensor in (*view.tensors(), self._tokens[rows]):
                 torch._dynamo.mark_static_address(tensor)
         return view
 
-    def _compile(self, rows: int) -> Callable[[Tensor], Tensor]:
-        """The step of `rows` rows, compiled: on a GPU at its first call, as a CUDA graph (the output is
-        copied: it lives in the graph's memory, which the next step overwrites); on a CPU now."""
-        view = self._views[rows]
+    def _compile(self, rows: int, window: int) -> Callable[[Tensor], Tensor]:
+        """The step of `rows` rows over `window` positions, compiled: on a GPU at its first call, as a CUDA
+        graph (the output is copied: it lives in the graph's memory, which the next step overwrites); on a
+        CPU now."""
+        view = self._views[rows, window]
         if self._on_gpu:
             return lambda tokens: self._graphed(self.model, view, tokens).clone()
         return compile_on_cpu(self.model, view, self._tokens[rows])
 
+    def window(self, rows: int) -> int:
+        """The window a compiled step of the first `rows` rows runs at: the smallest of the bucket's windows
+        past the longest row's length (where its new token goes)."""
+        longest = max(self.cache.lengths[:rows])
+        return next(w for w in self._windows[bucket(rows, self.max_rows)] if w > longest)
+
     def is_compiled_for(self, rows: int) -> bool:
-        """Whether a step of `rows` sequences runs without compiling first."""
-        size = bucket(rows, self.max_rows)
-        compiled = (size, torch.get_num_threads()) in self._steps
+        """Whether a step of `rows` sequences runs without compiling first, at any of its windows."""
+        size, threads = bucket(rows, self.max_rows), torch.get_num_threads()
+        compiled = all((size, window, threads) in self._steps for window in self._windows[size])
         return not self.compiled or compiled or size in self.eager_buckets
 
     def measure(self, rows: int, steps: int = 8) -> DecodeTimings:
-        """Compile the step for `rows` sequences (a server before its first request) and time it against the
-        eager step, `steps` steps each at half the window; the cache's rows are left as they were. Where the
-        compiled step measures less than `MIN_GAIN` times faster, steps of that size run eagerly from now on."""
-        size = bucket(rows, self.max_rows)
+        """Compile the step for `rows` sequences at each of its windows (a server before its first request)
+        and time it against the eager step, `steps` steps each with every row just under half the context;
+        the cache's rows are left as they were. Where the compiled step measures less than `MIN_GAIN` times
+        faster, steps of that size run eagerly from now on."""
+        size, threads = bucket(rows, self.max_rows), torch.get_num_threads()
         saved = [(layer.keys[:size].clone(), layer.values[:size].clone()) for layer in self.cache.layers]
         lengths, in_use = list(self.cache.lengths), self.cache.batch_size
         tokens = torch.zeros(size, dtype=torch.long, device=saved[0][0].device)
 
-        def timed(run: Callable[[], object]) -> float:
-            self.cache.lengths[:size] = [self.cache.window // 2] * size
+        def timed(run: Callable[[], object], length: int = max(0, self.cache.window // 2 - 1)) -> float:
+            self.cache.lengths[:size] = [length] * size
             start = time.perf_counter()
             run()
             if tokens.is_cuda:
@@ -187,8 +227,9 @@ class Decoder:
             return time.perf_counter() - start
 
         self.eager_buckets.discard(size)
-        ready = (size, torch.get_num_threads()) in self._steps
-        compile_s = self.compile_seconds if ready else timed(lambda: self.step(tokens))
+        # Each window compiles at its first step: one with the rows as long as the window allows.
+        windows = [w for w in self._windows[size] if (size, w, threads) not in self._steps]
+        compile_s = sum(timed(lambda: self.step(tokens), w - 1) for w in windows) or self.compile_seconds
         compiled = min(timed(lambda: self.step(tokens)) for _ in range(steps))
         eager = min(timed(lambda: self._eager(tokens)) for _ in range(steps))
         for layer, (keys, values) in zip(self.cache.layers, saved, strict=True):
@@ -210,17 +251,19 @@ class Decoder:
         if not self.compiled or size in self.eager_buckets:
             return self._eager(tokens)
         self.cache.batch_size = rows
-        key = (size, torch.get_num_threads())
+        window = self.window(rows)
+        key = (size, window, torch.get_num_threads())
         first = key not in self._steps
-        view = self._view(size)
+        view = self._view(size, window)
         view.set_positions(self.cache.lengths[:rows])
         padded = self._tokens[size]
         padded[:rows, 0] = tokens
         if first:
-            self.announce(f"compiling the decode step for {size} sequence{'' if size == 1 else 's'}…")
+            over = "" if window == self.cache.window else f", {window} positions"
+            self.announce(f"compiling the decode step for {size} sequence{'' if size == 1 else 's'}{over}…")
         start = time.perf_counter()
         if first:
-            self._steps[key] = self._compile(size)
+            self._steps[key] = self._compile(size, window)
         logits = self._steps[key](padded)[:rows]
         seconds = time.perf_counter() - start
         if first:

@@ -229,16 +229,20 @@ class PaddedLayerKVCache:
 
 
 class WholeWindowKVCache:
-    """The first `rows` rows of `cache` for a compiled decode step (see the module docstring). Row r's new
-    token is written at `positions[r]` and its query sees keys `0 .. positions[r]`; the caller fills
-    `positions` before each step (`set_positions`) and counts the tokens itself, so `advance` does nothing.
-    Rows past the sequences in use (a batch rounded up to `rows`) compute on whatever they hold, and write
-    their keys and values at their own position in rows no sequence uses."""
+    """The first `rows` rows of `cache` for a compiled decode step (see the module docstring), over the first
+    `window` positions of each row (default: all of them). Row r's new token is written at `positions[r]`,
+    which must be below `window`, and its query sees keys `0 .. positions[r]`; the caller fills `positions`
+    before each step (`set_positions`) and counts the tokens itself, so `advance` does nothing. Rows past the
+    sequences in use (a batch rounded up to `rows`) compute on whatever they hold, and write their keys and
+    values at their own position in rows no sequence uses."""
 
-    def __init__(self, cache: PaddedKVCache, rows: int) -> None:
+    def __init__(self, cache: PaddedKVCache, rows: int, window: int | None = None) -> None:
         if not 1 <= rows <= cache.max_rows:
             raise ScratchlmError(f"a whole-window view takes 1 to {cache.max_rows} rows, got {rows}")
-        self.window, self.batch_size = cache.window, rows
+        window = cache.window if window is None else window
+        if not 1 <= window <= cache.window:
+            raise ScratchlmError(f"a whole-window view takes 1 to {cache.window} positions, got {window}")
+        self.window, self.batch_size = window, rows
         device = cache.layers[0].keys.device
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.key_index = torch.arange(self.window, device=device)
@@ -278,8 +282,8 @@ class WholeWindowKVCache:
 
 
 class WholeWindowLayerKVCache:
-    """One layer of a `WholeWindowKVCache`: the whole `(max_rows, kv_heads, window, d_k)` tensors of the
-    `PaddedKVCache` it views, of which a step uses the first `rows`."""
+    """One layer of a `WholeWindowKVCache`: the whole `(max_rows, kv_heads, context, d_k)` tensors of the
+    `PaddedKVCache` it views, of which a step uses the first `rows` and their first `window` positions."""
 
     def __init__(self, owner: WholeWindowKVCache, keys: Tensor, values: Tensor) -> None:
         self.owner, self.keys, self.values = owner, keys, values
@@ -292,8 +296,8 @@ class WholeWindowLayerKVCache:
         rows, positions = self.owner.row_index, self.owner.positions
         self.keys[rows, :, positions] = keys[:, :, 0].to(self.keys.dtype)
         self.values[rows, :, positions] = values[:, :, 0].to(self.values.dtype)
-        n = self.owner.batch_size
-        return self.keys[:n], self.values[:n]
+        n, window = self.owner.batch_size, self.owner.window
+        return self.keys[:n, :, :window], self.values[:n, :, :window]
 
     def attention_layout(self) -> tuple[Int[Tensor, "rows 1 1"], Bool[Tensor, "rows 1 1 window"]]:
         positions = self.owner.positions
