@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.generation import sampling
 from scratchlm.generation.sampling import (
     draw,
     next_token_probs,
@@ -205,6 +206,22 @@ def test_top_p_filter_over_a_large_vocabulary_matches_a_stable_float_sort_of_eac
         for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
             for p in (0.1, 0.5, 0.9, 0.95):
                 assert torch.equal(top_p_filter(x, p), per_row(x, p)), (rows, scale, p)
+
+
+@pytest.mark.parametrize("candidates", [1, 40, 2048])
+def test_top_p_filter_among_the_largest_values_first_matches_a_stable_float_sort(monkeypatch, candidates):
+    """The nucleus looked for among the `candidates` largest values of each row first: rows whose nucleus
+    fits (peaked), rows where it does not (flat: the whole rows are sorted), both in one call, ties at the
+    nucleus's end; always the per-row stable sort's result."""
+    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    generator = torch.Generator().manual_seed(2)
+    peaked = torch.softmax(torch.randn(3, 3000, generator=generator) * 6.0, dim=-1)
+    flat = torch.softmax(torch.randn(2, 3000, generator=generator) * 0.5, dim=-1)
+    for probs in (peaked, flat, torch.cat([peaked, flat])):
+        tied = probs.round(decimals=4) + 1e-5
+        for x in (probs, tied / tied.sum(dim=-1, keepdim=True)):
+            for p in (0.05, 0.5, 0.9):
+                assert torch.equal(top_p_filter(x, p), per_row(x, p)), (candidates, p)
 
 
 def test_a_generator_a_row_draws_what_each_row_draws_alone():
