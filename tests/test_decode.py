@@ -270,10 +270,17 @@ def test_a_bucketed_window_gives_the_eager_tokens_across_its_bounds():
 
 
 def test_the_server_compiles_every_window_of_a_bucket_before_it_measures():
+    """Each window's compilation is said before and after, with the window (the whole context unnamed)."""
     model = small_model(**LONG)
-    decoder = Decoder(model, 4, compiled=True)
+    said: list[str] = []
+    decoder = Decoder(model, 4, compiled=True, announce=said.append)
     assert not decoder.is_compiled_for(3)
     decoder.measure(3)
     assert decoder.is_compiled_for(3) and decoder.is_compiled_for(4)
     threads = torch.get_num_threads()
     assert {key for key in decoder._steps if key[0] == 4} == {(4, w, threads) for w in (16, 32, 64)}
+    shapes = ["4 sequences, 16 positions", "4 sequences, 32 positions", "4 sequences"]
+    assert said[0::2] == [f"compiling the decode step for {shape}…" for shape in shapes]
+    assert [line.rsplit(" in ", 1)[0] for line in said[1::2]] == [
+        f"compiled the decode step for {shape}" for shape in shapes
+    ]

@@ -259,8 +259,9 @@ class Decoder:
         padded = self._tokens[size]
         padded[:rows, 0] = tokens
         if first:
-            over = "" if window == self.cache.window else f", {window} positions"
-            self.announce(f"compiling the decode step for {size} sequence{'' if size == 1 else 's'}{over}…")
+            shape = f"{size} sequence{'' if size == 1 else 's'}"
+            shape += "" if window == self.cache.window else f", {window} positions"
+            self.announce(f"compiling the decode step for {shape}…")
         start = time.perf_counter()
         if first:
             self._steps[key] = self._compile(size, window)
@@ -268,7 +269,7 @@ class Decoder:
         seconds = time.perf_counter() - start
         if first:
             self.compile_seconds += seconds
-            self.announce(f"compiled the decode step for {size} in {seconds:.1f} s")
+            self.announce(f"compiled the decode step for {shape} in {seconds:.1f} s")
         else:
             self.step_seconds.append(seconds)
         self.cache.advance(1)
