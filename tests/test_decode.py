@@ -250,10 +250,24 @@ def test_windows_are_bucketed_where_the_rows_keys_and_values_weigh_a_quarter_of_
     ]
 
 
+def test_a_small_models_windows_are_whole_however_many_rows():
+    """Sixteen rows of the LONG model's keys and values (16 x 2 layers x 2 x 64 positions x 16 x 4 bytes =
+    256 KB) outweigh its weights but stay under `WINDOW_BYTES`: one window, one compilation a bucket."""
+    model = small_model(**LONG)
+    assert window_buckets(model, 16) == [64]
+
+
 # Few weights and a long context: from two rows on, a step's keys and values outweigh a quarter of them.
 LONG = dict(context_length=64, d_model=16, num_heads=2, num_kv_heads=2, d_ff=192)
 
 
+@pytest.fixture
+def windows_at_any_size(monkeypatch):
+    """The LONG model's keys and values are a few KB: windows as if they were past the caches."""
+    monkeypatch.setattr(decode, "WINDOW_BYTES", 0)
+
+
+@pytest.mark.usefixtures("windows_at_any_size")
 def test_a_bucketed_window_gives_the_eager_tokens_across_its_bounds():
     """Three sequences whose lengths cross 16 and 32 positions: the step moves from a window of 16 positions
     to 32 and 64, compiled at each, and gives the eager tokens; a generation of one row compiles the whole
@@ -269,6 +283,7 @@ def test_a_bucketed_window_gives_the_eager_tokens_across_its_bounds():
     assert set(decode._DECODERS[model][1]._steps) == {(1, 64, threads)}
 
 
+@pytest.mark.usefixtures("windows_at_any_size")
 def test_the_server_compiles_every_window_of_a_bucket_before_it_measures():
     """Each window's compilation is said before and after, with the window (the whole context unnamed)."""
     model = small_model(**LONG)

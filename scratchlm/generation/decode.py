@@ -79,14 +79,17 @@ def bucket(rows: int, max_rows: int) -> int:
 
 
 # Windows are bucketed where the rows' keys and values over the whole context weigh at least this share of
-# the weights: below it, the bytes saved do not pay for the two more compilations.
+# the weights, and at least `WINDOW_BYTES`: below either, the bytes saved do not pay for the two more
+# compilations (a small model's keys and values stay in the CPU's caches, and its step is not read-bound).
 WINDOW_SHARE = 0.25
+WINDOW_BYTES = 16 * 2**20
 
 
 def window_buckets(model: TransformerLM, rows: int) -> list[int]:
     """The windows (numbers of key positions) a compiled step of `rows` rows runs at: the context, and on a
     CPU a quarter and a half of it too where the rows' keys and values over the whole context weigh at least
-    `WINDOW_SHARE` of the weights (as they are held: the cache in `decode_dtype`, the weights in theirs)."""
+    `WINDOW_SHARE` of the weights (as they are held: the cache in `decode_dtype`, the weights in theirs) and
+    at least `WINDOW_BYTES`."""
     config, weight = model.config, model.lm_head.weight
     held = torch.empty((), dtype=decode_dtype(weight.dtype, weight.device))
     per_position = 2 * config.num_layers * config.kv_heads * config.head_dim * held.element_size()
@@ -95,7 +98,7 @@ def window_buckets(model: TransformerLM, rows: int) -> list[int]:
     context = config.context_length
     # On a GPU the whole context: there the buckets are graphs of one `torch.compile`d function, which
     # recompiles for at most `torch._dynamo.config.recompile_limit` shapes, fewer than the buckets' windows.
-    if weight.is_cuda or kv_bytes < WINDOW_SHARE * weight_bytes:
+    if weight.is_cuda or kv_bytes < max(WINDOW_SHARE * weight_bytes, WINDOW_BYTES):
         return [context]
     return sorted({max(1, context // 4), max(1, context // 2), context})
 
