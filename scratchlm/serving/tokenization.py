@@ -35,6 +35,8 @@ def tokenizer_routes(
     context_length: int,
     template: ChatTemplate | JinjaChatTemplate | None,
 ) -> list[Route]:
+    vocab_size = tokenizer.vocab_size  # a maximum over the vocabulary: once, not per request
+
     async def info(request: Request) -> Response:
         return JSONResponse(
             {
@@ -43,7 +45,7 @@ def tokenizer_routes(
                 "bos_token": None,
                 "pad_token": None,
                 "model_max_length": context_length,
-                "vocab_size": tokenizer.vocab_size,
+                "vocab_size": vocab_size,
                 "special_tokens": tokenizer.special_tokens,
                 "chat_template": tokenizer.chat_template,
             }
@@ -56,7 +58,7 @@ def tokenizer_routes(
         )
 
     async def detokenize(request: Request) -> Response:
-        ids = parse_detokenize_request(await read_json(request), model_name, tokenizer.vocab_size)
+        ids = parse_detokenize_request(await read_json(request), model_name, vocab_size)
         return JSONResponse({"prompt": tokenizer.decode(ids)})
 
     return [
