@@ -90,12 +90,10 @@ def window_buckets(model: TransformerLM, rows: int) -> list[int]:
     CPU a quarter and a half of it too where the rows' keys and values over the whole context weigh at least
     `WINDOW_SHARE` of the weights (as they are held: the cache in `decode_dtype`, the weights in theirs) and
     at least `WINDOW_BYTES`."""
-    config, weight = model.config, model.lm_head.weight
-    held = torch.empty((), dtype=decode_dtype(weight.dtype, weight.device))
-    per_position = 2 * config.num_layers * config.kv_heads * config.head_dim * held.element_size()
-    kv_bytes = rows * config.context_length * per_position
+    config, weight, context = model.config, model.lm_head.weight, model.config.context_length
+    held = decode_dtype(weight.dtype, weight.device).itemsize
+    kv_bytes = rows * context * 2 * config.num_layers * config.kv_heads * config.head_dim * held
     weight_bytes = model.num_parameters(non_embedding=True) * weight.element_size()
-    context = config.context_length
     # On a GPU the whole context: there the buckets are graphs of one `torch.compile`d function, which
     # recompiles for at most `torch._dynamo.config.recompile_limit` shapes, fewer than the buckets' windows.
     if weight.is_cuda or kv_bytes < max(WINDOW_SHARE * weight_bytes, WINDOW_BYTES):
