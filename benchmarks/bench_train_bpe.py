@@ -9,7 +9,12 @@ call alone (reading the file included), the CPU time that of the whole child, an
 child's process tree (workers included), summed as proportional set size (PSS: pages shared after fork() are
 divided among the processes sharing them), sampled every 20 ms.
 
-    python benchmarks/bench_train_bpe.py [--vocab-size 10000] [--workers K] [--runs 3]
+    python benchmarks/bench_train_bpe.py [--vocab-size 10000] [--workers K] [--runs 3] [--corpus FILE ...]
+
+`--corpus FILE` (repeatable) trains on any UTF-8 text instead, documents joined by `<|endoftext|>`:
+benchmarks/corpora.py makes prose, manual pages and other languages, on which pre-tokens repeat far less than
+in code, and training costs more. Several corpora are run one after the other, and the range of the ratios is
+printed at the end.
 
 Prints both times, the ratio scratchlm / HF (the target is <= 1.0) and how similar the two merge lists are: HF
 breaks ties between equally frequent pairs its own way rather than by the rule of the CS336 assignment-1 handout, after which the lists
@@ -168,6 +173,12 @@ def main() -> None:
         "--runs", type=int, default=1, help="runs of each trainer, alternating; medians reported"
     )
     parser.add_argument(
+        "--corpus",
+        type=Path,
+        action="append",
+        help="a UTF-8 text file to train on (repeatable; default: the standard library's sources)",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         default=Path(tempfile.gettempdir())
@@ -175,13 +186,25 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    corpus = build_or_reuse_corpus(args.cache_dir)
-    print(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.1f} MB), vocab {args.vocab_size:,}, {EOT}")
+    corpora = args.corpus or [build_or_reuse_corpus(args.cache_dir)]
     print(f"cores: {len(os.sched_getaffinity(0))}, workers: {args.workers or 'all'}", flush=True)
+    ratios = {corpus: compare(corpus, args.vocab_size, args.workers, args.runs) for corpus in corpora}
+    if len(ratios) > 1:
+        print("\nratio scratchlm / HF (time) per corpus:")
+        for corpus, ratio in ratios.items():
+            print(f"  {ratio:5.2f}  {corpus}")
+        print(f"  range {min(ratios.values()):.2f} to {max(ratios.values()):.2f}")
+
+
+def compare(corpus: Path, vocab_size: int, workers: int | None, runs: int) -> float:
+    """Run both trainers `runs` times on `corpus`, print the medians; returns the ratio of the median times."""
+    print(
+        f"\ncorpus: {corpus} ({corpus.stat().st_size / 1e6:.1f} MB), vocab {vocab_size:,}, {EOT}", flush=True
+    )
     results: dict[str, list[dict]] = {name: [] for name in TRAINERS}
-    for run in range(args.runs):
+    for run in range(runs):
         for name in TRAINERS:
-            result = run_child(name, corpus, args.vocab_size, args.workers)
+            result = run_child(name, corpus, vocab_size, workers)
             results[name].append(result)
             print(
                 f"  run {run + 1}: {name:9s} {result['seconds']:6.2f} s, CPU {result['cpu_s']:6.2f} s, "
@@ -199,7 +222,7 @@ def main() -> None:
     )
     overlap = len(set(ours) & set(theirs)) / max(len(ours), 1)
 
-    print(f"\nmedians of {args.runs} run(s)          time      CPU   peak memory (process tree, PSS)")
+    print(f"medians of {runs} run(s)            time      CPU   peak memory (process tree, PSS)")
     for name, label in (("scratchlm", "scratchlm train_bpe"), ("hf", "HF tokenizers BpeTrainer")):
         peak = max(r["peak_mib"] for r in results[name])
         print(
@@ -211,6 +234,7 @@ def main() -> None:
         f"merges: {len(ours):,} vs {len(theirs):,}; identical for the first {same_prefix:,}; "
         f"{overlap:.1%} of scratchlm's merges are also HF's"
     )
+    return ratio
 
 
 if __name__ == "__main__":

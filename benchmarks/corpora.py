@@ -12,6 +12,8 @@ download), for measuring the training recipes on more than the text they were tu
     german       German: every translated message of the gettext catalogs under /usr/share/locale/de (one
                  message a line, 100 messages of a catalog a document; the programs' own translations, mostly
                  short sentences of interface text)
+    translations the same from every language under /usr/share/locale but English, language after language in
+                 sorted order of their codes (many scripts, many distinct words; 30 MB reach `hi`, Hindi)
 
     python benchmarks/corpora.py man /tmp/corpora/man.txt
 """
@@ -98,11 +100,19 @@ def german_documents(root: Path = Path("/usr/share/locale/de/LC_MESSAGES")) -> I
             yield "\n".join(lines[start : start + MESSAGES_PER_DOCUMENT]) + "\n"
 
 
+def translation_documents(root: Path = Path("/usr/share/locale")) -> Iterator[str]:
+    for language in sorted(root.iterdir()):
+        catalogs = language / "LC_MESSAGES"
+        if not language.name.startswith("en") and any(catalogs.glob("*.mo")):
+            yield from german_documents(catalogs)
+
+
 CORPORA: dict[str, Callable[[], Iterator[str]]] = {
     "stdlib": lambda: (text for _, text in stdlib_documents()),
     "docstrings": docstring_documents,
     "man": man_documents,
     "german": german_documents,
+    "translations": translation_documents,
 }
 
 

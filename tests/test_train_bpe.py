@@ -7,6 +7,7 @@ import json
 import tempfile
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import regex
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from scratchlm import train_bpe
 from scratchlm.errors import ScratchlmError
+from scratchlm.tokenizer import merges as merges_module
 from scratchlm.tokenizer.pretokenize import pretoken_counts
 from scratchlm.tokenizer.serialization import load_merges, text_to_token
 from scratchlm.tokenizer.train import chunk_boundaries, count_pretokens, learn_merges
@@ -111,6 +113,16 @@ def test_ties_go_to_the_lexicographically_greater_pair() -> None:
     counts = Counter({b"ab": 5, b"bc": 5, b"xabc": 1, b"abcy": 1})
     merges = learn_merges(counts, 3)
     assert merges == brute_force_merges(counts, 3)
+
+
+@pytest.mark.parametrize("few_places", [0, 1 << 30])
+def test_every_pair_of_bytes_once(few_places: int) -> None:
+    """65,536 pairs tied at one occurrence each, merged in numpy all at once or one place at a time: the
+    merges are every pair, greatest first."""
+    counts = Counter(bytes([x, y]) for x in range(256) for y in range(256))
+    with mock.patch.object(merges_module, "FEW_PLACES", few_places):
+        merges = learn_merges(counts, 256 * 256 + 1)
+    assert merges == sorted(((bytes([x]), bytes([y])) for x in range(256) for y in range(256)), reverse=True)
 
 
 def test_stops_early_when_no_pair_is_left(tmp_path: Path) -> None:
@@ -261,6 +273,31 @@ def test_matches_brute_force_on_random_corpora(text: str, special_tokens: list[s
         assert train_bpe(path, vocab_size, special_tokens, workers=1) == brute_force_bpe(
             text, vocab_size, special_tokens
         )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    words=st.dictionaries(
+        st.text(alphabet="ab ", min_size=1, max_size=12).map(str.encode), st.integers(1, 5)
+    ),
+    extra=st.integers(0, 40),
+    few_places=st.sampled_from([0, 2, 1 << 30]),
+)
+def test_merging_in_numpy_or_in_python_matches_brute_force(
+    words: dict[bytes, int], extra: int, few_places: int
+) -> None:
+    """Merges done all at once (numpy), one place at a time (Python), or mixed, on words full of repeated and
+    overlapping pairs (`aaaa`, `abab`)."""
+    with mock.patch.object(merges_module, "FEW_PLACES", few_places):
+        assert learn_merges(Counter(words), extra) == brute_force_merges(Counter(words), extra)
+
+
+def test_reference_merges_in_numpy_and_in_python() -> None:
+    counts = count_pretokens(fixture_path("corpus.en"), [EOT])
+    expected = load_merges(fixture_path("train-bpe-reference-merges.txt"))
+    for few_places in (0, 1 << 30):
+        with mock.patch.object(merges_module, "FEW_PLACES", few_places):
+            assert learn_merges(counts, 500 - 257) == expected
 
 
 @settings(max_examples=40, deadline=None)

@@ -21,7 +21,9 @@ import re
 import sys
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from itertools import compress, repeat
+from operator import add, mul
 
 import regex
 
@@ -87,33 +89,51 @@ def pretoken_counts(texts: Iterable[str], max_segments: int = 1 << 20) -> Counte
     """How often each pre-token occurs in `texts` (pieces without special tokens), pre-tokenizing each distinct
     segment once (see the module docstring). At most `max_segments` distinct segments are held at a time."""
     segment_re = _segment_re()
+    space = whitespace()
     segments: Counter[str] = Counter()
+    edges: set[str] = set()  # segments that may not be joined to others (see `_add_pretokens`)
     counts: Counter[str] = Counter()
     for text in texts:
-        segments.update(segment_re.findall(text))
+        found = segment_re.findall(text)
+        if not found:
+            continue
+        segments.update(found)
+        # Only a text's first segment can lack leading whitespace, only its last be whitespace alone.
+        if found[0][0] not in space:
+            edges.add(found[0])
+        if found[-1][-1] in space:
+            edges.add(found[-1])
         if len(segments) > max_segments:
-            _add_pretokens(segments, counts)
+            _add_pretokens(segments, edges, counts)
             segments.clear()
-    _add_pretokens(segments, counts)
+            edges.clear()
+    _add_pretokens(segments, edges, counts)
     return counts
 
 
-def _add_pretokens(segments: Counter[str], counts: Counter[str]) -> None:
-    """Add the pre-tokens of `segments` (segment -> count) to `counts`."""
-    space = whitespace()
-    # Segments that start with whitespace and end without it can be concatenated without changing how each
-    # splits; one call of the pattern then handles all segments that occur equally often.
+def _add_pretokens(segments: Counter[str], edges: set[str], counts: Counter[str]) -> None:
+    """Add the pre-tokens of `segments` (segment -> count) to `counts`. `edges` are the segments that do not
+    start with whitespace or end with it: the others can be concatenated without changing how each splits."""
+    for segment in edges:
+        n = segments.pop(segment)
+        for pretoken in PRETOKEN_RE.findall(segment):
+            counts[pretoken] += n
+    # Segments that occur equally often go through one call of the pattern together. Those seen once are most
+    # of the distinct ones in prose, so they are picked out (by `compress`) and counted (by `update`) in C.
+    counts.update(PRETOKEN_RE.findall("".join(compress(segments, map((1).__eq__, segments.values())))))
     by_frequency: dict[int, list[str]] = defaultdict(list)
-    for segment, n in segments.items():
-        if segment[0] in space and segment[-1] not in space:
-            by_frequency[n].append(segment)
-        else:  # a text's first segment, or its trailing whitespace
-            for pretoken in PRETOKEN_RE.findall(segment):
-                counts[pretoken] += n
+    for segment, n in compress(segments.items(), map((1).__lt__, segments.values())):
+        by_frequency[n].append(segment)
     for n, group in by_frequency.items():
-        found = PRETOKEN_RE.findall("".join(group))
-        if n == 1:
-            counts.update(found)
-        else:
-            for pretoken, k in Counter(found).items():
-                counts[pretoken] += k * n
+        found = Counter(PRETOKEN_RE.findall("".join(group)))
+        add_counts(counts, dict(zip(found, map(mul, found.values(), repeat(n)), strict=True)))
+
+
+def add_counts(total: dict, more: Mapping) -> None:
+    """`total[key] += more[key]` for every key of `more` (a key missing from `total` counts as 0), iterating in
+    C: on text with many distinct pre-tokens a loop over the keys in Python (what `Counter.update` does with a
+    mapping) is a large share of the time."""
+    common = list(filter(total.__contains__, more))
+    sums = list(map(add, map(total.__getitem__, common), map(more.__getitem__, common)))
+    dict.update(total, more)  # not `Counter.update`, which adds, in Python
+    dict.update(total, zip(common, sums, strict=True))

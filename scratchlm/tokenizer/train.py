@@ -4,30 +4,22 @@ The algorithm (that of the CS336 assignment-1 handout, in the spirit of minbpe) 
 
 1. Pre-token counting. The file is cut into chunks, each read, decoded and counted by a worker process: the
    text is split on the special tokens (which are never counted or merged), then cut into pre-tokens by GPT-2's
-   regular expression (each distinct whitespace-led segment of text only once, see `pretokenize`), giving a
-   `Counter` of pre-token strings. A cut is placed only where it cannot change the result: at the start of a
+   regular expression (each distinct whitespace-led segment of text only once, see `pretokenize`), giving the
+   count of each pre-token, as UTF-8 bytes. A cut is placed only where it cannot change the result: at the start of a
    special token (documents are delimited by `<|endoftext|>`), or, failing that, right after an ASCII letter
    that is followed by an ASCII non-letter, where the regex always ends a match (it has no look-behind, and the
    letter run it is in stops there). Either way no special token may straddle the cut. So the counts are the
    same for any number of workers, and no process ever holds more than one chunk of the file plus its counts:
    memory grows with the number of distinct pre-tokens, not with the file.
 
-2. Merging. Each distinct pre-token becomes a "word": a list of token ids, at first its bytes. Training only
-   ever looks at words weighted by their count, so a 2 GB corpus becomes a few hundred thousand short lists.
-   We keep
-     - `pair_counts[(a, b)]`: how often token `a` is followed by token `b`, over all words times their counts;
-     - `pair_words[(a, b)]`: the words where the pair occurs, listed once per occurrence, so that the count of
-       a new pair is a sum over its list, done in C. It may still name words that have lost the pair: they
-       are skipped when the pair is merged, which is cheaper than removing them whenever a pair disappears;
-     - a heap of `(-count, key, pair)` giving the most frequent pair, ties going to the lexicographically
-       greater pair of byte strings. `heapq` is a min-heap, so `key` orders pairs in reverse: each byte x
-       becomes 255 - x and each part ends with 256, which sorts after every byte, so a longer token with the
-       same prefix comes first, as it must.
-   A merge of `(a, b)` into the new token `t` visits only the words containing the pair. Each occurrence
-   `x a b y` becomes `x t y`: the counts of `(x, a)` and `(b, y)` go down, `(x, t)` and `(t, y)` appear.
-   Counts of existing pairs only ever go down (every new pair contains the new token), so the heap needs no
-   decrease-key: an entry whose count is stale is an upper bound, and when it reaches the top it is pushed
-   back with its current count. An entry that reaches the top with its true count is then the true maximum.
+2. Merging (`scratchlm.tokenizer.merges`, whose docstring tells how): each distinct pre-token becomes a word
+   weighted by its count, and the most frequent adjacent pair of tokens is merged, again and again, the pair
+   counts kept up to date by visiting only the places where the merged pair occurs.
+
+Text with many distinct pre-tokens (prose, languages other than English) gives every step many more keys than
+code does, where pre-tokens repeat a great deal. So the work per key is left to C wherever it can be: the
+workers encode their counts to bytes themselves, counts are added together by `add_counts` (`Counter.update`
+with a mapping loops in Python), and the merges that visit many places do so with numpy.
 
 Ids: 0..255 are the single bytes, then the merges in creation order, then the special tokens. Training stops
 early, with a smaller vocabulary, when no pair of tokens is left to merge.
@@ -35,12 +27,11 @@ early, with a smaller vocabulary, when no pair of tokens is left to merge.
 
 from __future__ import annotations
 
-import heapq
 import math
 import multiprocessing
 import os
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -48,8 +39,10 @@ from typing import Any, BinaryIO
 import regex
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.tokenizer.merges import learn_merges
 from scratchlm.tokenizer.pretokenize import (
     ASCII_LETTER_CUT_PATTERN,
+    add_counts,
     pretoken_counts,
     special_tokens_regex,
     whitespace,
@@ -62,8 +55,6 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 _CUT_SEARCH_WINDOW = 1 << 16
 # Where a chunk of bytes may end (`pretokenize.ASCII_LETTER_CUT_PATTERN`).
 _LETTER_CUT_RE = regex.compile(ASCII_LETTER_CUT_PATTERN)
-
-Pair = tuple[int, int]
 
 
 def train_bpe(
@@ -138,13 +129,13 @@ def count_pretokens(
     total = path.stat().st_size
     chunks = list(pairwise(chunk_boundaries(path, special_tokens, chunk_size)))
     workers = min(workers or _available_cores(), len(chunks)) or 1
-    # A few tasks per worker balance the load; each task is a run of chunks counted into one Counter, so the
-    # parent merges a few Counters rather than one per chunk.
+    # A few tasks per worker balance the load; each task is a run of chunks counted into one dict, so the
+    # parent adds up a few dicts rather than one per chunk.
     per_task = math.ceil(len(chunks) / (workers * 4)) or 1
     tasks = [(str(path), chunks[i : i + per_task], special_tokens) for i in range(0, len(chunks), per_task)]
     whitespace()  # computed once here rather than in every worker
 
-    counts: Counter[str] = Counter()
+    counts: Counter[bytes] = Counter()
     if workers == 1:
         done = 0
 
@@ -155,7 +146,7 @@ def count_pretokens(
                 on_bytes(done, total)
 
         for task in tasks:
-            counts.update(_count_task(task, report))
+            add_counts(counts, _count_task(task, report))
     else:
         # The workers start at once, before the progress display's thread starts on its first update. A worker
         # that dies ends the training with an error (see scratchlm.workers).
@@ -170,17 +161,19 @@ def count_pretokens(
                     except TimeoutError:
                         if on_bytes:
                             on_bytes(bytes_read.value, total)
-                counts.update(task_counts)
+                add_counts(counts, task_counts)
     if on_bytes:
         on_bytes(total, total)
-    return Counter({token.encode("utf-8"): n for token, n in counts.items()})
+    return counts
 
 
 def _count_task(
     task: tuple[str, list[tuple[int, int]], list[str]], report: Callable[[int], None]
-) -> Counter[str]:
+) -> dict[bytes, int]:
     path, chunks, special_tokens = task
-    return pretoken_counts(_read_pieces(path, chunks, special_tokens_regex(special_tokens), report))
+    counts = pretoken_counts(_read_pieces(path, chunks, special_tokens_regex(special_tokens), report))
+    # Encoded here, in the worker, and in C: a dict comprehension would loop over the keys in Python.
+    return dict(zip(map(str.encode, counts), counts.values(), strict=True))
 
 
 # In a worker process: the count of bytes read by all workers, shared with the parent for its progress display.
@@ -192,7 +185,7 @@ def _start_worker(bytes_read: Any) -> None:
     _bytes_read = bytes_read
 
 
-def _count_task_in_worker(task: tuple[str, list[tuple[int, int]], list[str]]) -> Counter[str]:
+def _count_task_in_worker(task: tuple[str, list[tuple[int, int]], list[str]]) -> dict[bytes, int]:
     return _count_task(task, _report_to_parent)
 
 
@@ -280,128 +273,6 @@ def _available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-# --- phase 2: merges ------------------------------------------------------------------------------------------
-
-
-def learn_merges(
-    pretoken_counts: Mapping[bytes, int],
-    num_merges: int,
-    on_merge: Callable[[int, int], None] | None = None,
-) -> list[tuple[bytes, bytes]]:
-    """Up to `num_merges` BPE merges learned from pre-tokens (byte strings) and their counts.
-
-    Each step merges the most frequent adjacent pair of tokens, counted inside pre-tokens and weighted by their
-    counts, ties going to the lexicographically greater pair of byte strings. Stops early when no pair is left.
-    `on_merge(done, total)` is called now and then.
-    """
-    tokens: list[bytes] = [bytes([i]) for i in range(256)]
-    # Reverse-order sort key of each token (see module docstring): key(a) < key(b) iff a > b as byte strings.
-    keys: list[tuple[int, ...]] = [(255 - i, 256) for i in range(256)]
-
-    words: list[list[int]] = []
-    counts: list[int] = []
-    for word, count in pretoken_counts.items():
-        if len(word) > 1 and count > 0:
-            words.append(list(word))
-            counts.append(count)
-
-    pair_words: dict[Pair, list[int]] = defaultdict(list)  # a word once per occurrence of the pair
-    for index, word in enumerate(words):
-        for pair in pairwise(word):
-            pair_words[pair].append(index)
-    pair_counts = {pair: sum(map(counts.__getitem__, indices)) for pair, indices in pair_words.items()}
-    heap = [(-count, keys[a] + keys[b], (a, b)) for (a, b), count in pair_counts.items()]
-    heapq.heapify(heap)
-
-    merges: list[tuple[bytes, bytes]] = []
-    report_every = max(1, num_merges // 200)
-    while len(merges) < num_merges and heap:
-        negative_count, key, pair = heapq.heappop(heap)
-        count = pair_counts.get(pair, 0)
-        if count != -negative_count:  # stale: the pair lost occurrences since this entry was pushed
-            if count > 0:
-                heapq.heappush(heap, (-count, key, pair))
-            continue
-
-        a, b = pair
-        new = len(tokens)
-        tokens.append(tokens[a] + tokens[b])
-        keys.append(keys[a][:-1] + keys[b])
-        merges.append((tokens[a], tokens[b]))
-        for new_pair, occurrences in _apply_merge(words, pair, new, pair_words.pop(pair)).items():
-            lost_pair = (new_pair[0] if new_pair[0] != new else b, new_pair[1] if new_pair[1] != new else a)
-            count = sum(map(counts.__getitem__, occurrences))
-            pair_counts[lost_pair] -= count
-            if not pair_counts[lost_pair]:  # gone for good: only pairs with the new token ever appear
-                del pair_counts[lost_pair]
-                pair_words.pop(lost_pair, None)
-            pair_counts[new_pair] = count
-            pair_words[new_pair] = occurrences
-            heapq.heappush(heap, (-count, keys[new_pair[0]] + keys[new_pair[1]], new_pair))
-        pair_counts.pop(pair, None)
-        if on_merge and len(merges) % report_every == 0:
-            on_merge(len(merges), num_merges)
-    if on_merge:
-        on_merge(len(merges), num_merges)
-    return merges
-
-
-def _apply_merge(
-    words: list[list[int]], pair: Pair, new: int, candidates: Iterable[int]
-) -> dict[Pair, list[int]]:
-    """Replace `pair` by token `new`, in place, in those of the `candidates` words that contain it.
-
-    Returns the pairs that appear, each with its words listed once per occurrence. Every new pair `(x, new)`
-    replaces an old `(x, a)`, every `(new, y)` an old `(b, y)`, and `(new, new)` (from `a b a b`) an old
-    `(b, a)`: so this is also what disappears. The pair counts themselves are left to the caller.
-    """
-    a, b = pair
-    left: dict[int, list[int]] = defaultdict(list)  # x -> words where `x a b` became `x new`
-    right: dict[int, list[int]] = defaultdict(list)  # y -> words where `a b y` became `new y`
-    both: list[int] = []  # words where `a b a b` became `new new`
-    for index in set(candidates):
-        word = words[index]
-        n = len(word)
-        # Find occurrences with list.index (C speed); `remaining` counts the a's not yet looked at.
-        remaining = word.count(a)
-        starts: list[int] = []
-        i = 0
-        while remaining:
-            i = word.index(a, i)
-            remaining -= 1
-            if i + 1 == n or word[i + 1] != b:
-                i += 1
-                continue
-            if a == b:
-                remaining -= 1
-            if starts and starts[-1] == i - 2:
-                both.append(index)
-            elif i:
-                left[word[i - 1]].append(index)
-            # When another occurrence follows at once, that one records (new, new).
-            if i + 2 < n and not (word[i + 2] == a and i + 3 < n and word[i + 3] == b):
-                right[word[i + 2]].append(index)
-            starts.append(i)
-            i += 2
-        if len(starts) == 1:
-            i = starts[0]
-            word[i : i + 2] = (new,)
-        elif starts:  # rebuilt in one pass: replacing in place one by one would be quadratic in a long word
-            merged: list[int] = []
-            copied = 0
-            for i in starts:
-                merged += word[copied:i]
-                merged.append(new)
-                copied = i + 2
-            merged += word[copied:]
-            word[:] = merged
-    appeared = {(x, new): indices for x, indices in left.items()}
-    appeared.update(((new, y), indices) for y, indices in right.items())
-    if both:
-        appeared[new, new] = both
-    return appeared
 
 
 # --- progress display -----------------------------------------------------------------------------------------
