@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from scratchlm.device.profile import cpu_name_and_flags
+from scratchlm.device.host import cpu_name_and_flags
 from scratchlm.io import atomic_write
 from scratchlm.quickstart import quickstart
 

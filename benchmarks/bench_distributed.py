@@ -14,7 +14,7 @@ take `--warmup` steps and then `--steps` timed ones, and report per process:
   (`TrainStep.gradients`), against the optimizer's update (`TrainStep.update`).
 
 Then it prints, per world size, FSDP's state bytes over DDP's (the target: at most 1.1 / N) and its tokens/s over
-DDP's, and the largest model whose training state (parameters, gradients, optimizer, DDP's gradient buckets:
+DDP's, and the largest model whose training state (parameters, gradients, optimizer:
 `scratchlm.model.memory`) the estimate fits in a 24 GB and an 80 GB GPU under each layout, before activations.
 
 FSDP is selected by the config key `training.parallel = "fsdp"`; a scratchlm whose config does not know that key
@@ -260,9 +260,7 @@ def main() -> None:
     parameters = num_parameters(model)
     for parallel, world in results:
         estimate = rank_memory(model, args.optimizer, args.precision, args.batch, 1, world, parallel, False)
-        per_parameter = (
-            estimate.state + (estimate.buffers if estimate.parallel == "ddp" else 0)
-        ) / parameters
+        per_parameter = estimate.state / parameters  # DDP's buckets are its gradients: nothing more
         fits = ", ".join(
             f"{name}: {HEADROOM * size / per_parameter / 1e9:.2f} B" for name, size in GPUS.items()
         )

@@ -7,9 +7,9 @@ each new token reruns the model over the whole sequence so far (up to the contex
 is run once and each new token costs one position.
 
 Then decoding at batch 1 with the weights held in bf16, as `generate`, `eval` and `serve` hold them where the
-resolved precision is bf16 (`Plan.for_inference`), against float32 weights: plain fp32 (also prepared by
-`Plan.for_inference`: each precision runs a token times a matrix the way measured fastest for it, `Plan.matvec`),
-and cast to bf16 at every matmul under autocast (how inference ran before). These rows decode while the
+resolved precision is bf16 (`prepare_for_inference`), against float32 weights: plain fp32 (also prepared by
+`prepare_for_inference`: each precision runs a token times a matrix the way measured fastest for it,
+`Plan.matvec`), and cast to bf16 at every matmul under autocast (how inference ran before). These rows decode while the
 sequence fits the context (no recomputation over a full window). Decoding one token reads every weight once,
 so its speed is bound by memory bandwidth; each row also shows that bound: the `scratchlm doctor` bandwidth
 over the bytes of weights one token reads (every matrix, one row of each embedding table).
@@ -28,6 +28,7 @@ import torch
 
 from scratchlm.device import device_profile, plan
 from scratchlm.generation.generate import generate
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 
@@ -98,7 +99,7 @@ def compare_weight_dtypes(config: ModelConfig, prompt: list[int], args: argparse
     def model_in(precision: str) -> TransformerLM:
         torch.manual_seed(0)
         model = TransformerLM.from_config(config, device=device)
-        return plan(device, precision, threads=torch.get_num_threads()).for_inference(model)
+        return prepare_for_inference(model, plan(device, precision, threads=torch.get_num_threads()))
 
     fp32, bf16 = model_in("fp32"), model_in("bf16")
     # Decoding proper: past the context, generation recomputes a whole window at every step.
@@ -106,7 +107,7 @@ def compare_weight_dtypes(config: ModelConfig, prompt: list[int], args: argparse
     rows: list[tuple[str, TransformerLM, bool]] = [
         ("fp32 weights, fp32", fp32, False),
         ("fp32 weights, bf16 autocast", fp32, True),
-        ("bf16 weights (for_inference)", bf16, False),
+        ("bf16 weights (prepare_for_inference)", bf16, False),
     ]
     ways = ", ".join(f"{name} {plan(device, name).matvec.value}" for name in ("fp32", "bf16"))
     print(
@@ -128,7 +129,7 @@ def compare_weight_dtypes(config: ModelConfig, prompt: list[int], args: argparse
         bound = bandwidth / per_token
         rates[name] = rate
         print(f"{name:<30} {rate:>9.1f} {per_token / 1e6:>9.1f} {bound:>9.1f} {rate / bound:>9.0%}")
-    bf16_rate = rates["bf16 weights (for_inference)"]
+    bf16_rate = rates["bf16 weights (prepare_for_inference)"]
     print(
         f"bf16 weights: {bf16_rate / rates['fp32 weights, fp32']:.2f}x fp32 weights (target >= 1.6x), "
         f"{bf16_rate / rates['fp32 weights, bf16 autocast']:.2f}x fp32 weights under bf16 autocast"

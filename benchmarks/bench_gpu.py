@@ -220,7 +220,7 @@ def bench_decode_model(
 ) -> list[dict]:
     """Tokens/s of the model's decode steps at each batch size, eager and (`--compile`) compiled: `steps`
     steps from half the context, every row its own sequence; the first compiled step (the compilation) is
-    timed apart. bf16 weights on a GPU, as `Plan.for_inference` holds them there."""
+    timed apart. bf16 weights on a GPU, as `prepare_for_inference` holds them there."""
     from scratchlm.generation.decode import Decoder
 
     torch.manual_seed(0)

@@ -2,7 +2,9 @@
 
 The model is the TinyStories shape of the CS336 assignment-1 handout (vocab 10,000, context 256, d_model 512,
 4 layers, 16 heads, d_ff 1,344) with random weights (a token costs the same whatever the weights are), and
-exported with `scratchlm export --format gguf`'s writer: f32 for the fp32 rows, f16 for the bf16 ones. Each side
+exported with `scratchlm export --format gguf`'s writer: f32 for the fp32 rows, f16 for the bf16 ones, Q8_0 for
+the int8 ones (scratchlm's `--quantize int8`: int8 per output channel against llama.cpp's int8 per block of
+32, both a byte a weight; activations in float32 on scratchlm's side). Each side
 decodes `--tokens` tokens after a 4-token prompt, batch 1, best of `--repeats`, in turns; a warm-up run first
 (scratchlm's compiles its decode step then: the compilation is paid once per process, as llama.cpp's model load
 is, and is printed apart). Rows:
@@ -16,7 +18,9 @@ is, and is printed apart). Rows:
   measures: how close to the memory-bound limit it decodes;
 - prefill of a 200-token prompt, tokens/s (the last position's logits, as generating needs and llama.cpp
   computes by default);
-- whether the greedy tokens of scratchlm fp32 and llama.cpp f32 are the same.
+- whether the greedy tokens of scratchlm fp32 and llama.cpp f32 are the same (and where int8 and Q8_0, two
+  different roundings of the weights, part);
+- int8 against scratchlm's own fp32, row by row, and the bytes of the weights each holds.
 
 The serving engine's throughput at 16 concurrent sequences, eager against compiled, is
 `benchmarks/bench_serve.py`'s.
@@ -26,6 +30,7 @@ from source with CMake (about 8 minutes on 2 cores).
 
     python benchmarks/bench_llamacpp.py
     python benchmarks/bench_llamacpp.py --tokens 120 --repeats 2 --threads 2
+    python benchmarks/bench_llamacpp.py --tokens 120 --repeats 2 --precisions fp32 int8
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from bench_generate import weight_bytes_per_token
 from scratchlm.device import plan
 from scratchlm.device.profile import device_profile
 from scratchlm.generation.generate import generate
+from scratchlm.generation.layout import prepare_for_inference
+from scratchlm.generation.quantize import weight_bytes
 from scratchlm.interop.gguf import write_gguf
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
@@ -55,6 +62,12 @@ MISSING = (
     "CMake, in about 8 minutes on 2 cores"
 )
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
+# The rows' precisions: (scratchlm's name, the GGUF file's dtype, scratchlm's `--quantize`, the plan's precision).
+PRECISIONS = {
+    "fp32": ("f32", None, "fp32"),
+    "bf16": ("f16", None, "bf16"),
+    "int8": ("q8_0", "int8", "fp32"),
+}
 
 
 def small_tokenizer() -> Tokenizer:
@@ -136,6 +149,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=240, help="tokens decoded per run (default 240)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row; the best counts (default 3)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (default 1 2)")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=tuple(PRECISIONS),
+        default=list(PRECISIONS),
+        help="the rows' precisions (default: all; bf16 only where the CPU computes it natively)",
+    )
     parser.add_argument("--out", help="also write the rows as JSON to this file")
     args = parser.parse_args()
     try:
@@ -162,9 +182,10 @@ def main() -> None:
         f"{fp32_plan.profile.name} ({'native' if native_bf16 else 'no native'} bf16), memory {bandwidth / 1e9:.1f} GB/s"
     )
     print(llama_cpp.llama_print_system_info().decode().strip())
-    rows, agreement = [], None
+    rows, agreement, held = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for precision, ggml in (("fp32", "f32"), ("bf16", "f16")):
+        for precision in args.precisions:
+            ggml, quantize, computed_in = PRECISIONS[precision]
             if precision == "bf16" and not native_bf16:
                 print(
                     "bf16 / f16 rows skipped: no native bf16 on this CPU (PyTorch emulates it; auto = fp32)"
@@ -175,10 +196,11 @@ def main() -> None:
             eager_model, model = (TransformerLM.from_config(config).eval() for _ in range(2))
             for copy in (eager_model, model):
                 copy.load_state_dict(base.state_dict())
-                plan(cpu, precision).for_inference(copy)
+                prepare_for_inference(copy, plan(cpu, computed_in), quantize=quantize)
             path = Path(tmp) / f"model-{ggml}.gguf"
             write_gguf(base, tokenizer, path, ggml, "bench")
             bytes_per_token = weight_bytes_per_token(model)
+            held[precision] = weight_bytes(model)
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 llm = llama_cpp.Llama(
@@ -202,7 +224,8 @@ def main() -> None:
                     theirs, their_ids = llama_tokens_per_s(llm, prompt, args.tokens, sampled, args.repeats)
                     if not sampled and precision == "fp32":
                         assert compiled_ids == eager_ids, "compiled and eager greedy tokens differ in fp32"
-                        agreement = first_difference(base, prompt, compiled_ids, their_ids)
+                    if not sampled and precision in ("fp32", "int8"):
+                        agreement[precision] = first_difference(model, prompt, compiled_ids, their_ids)
                     rows.append(
                         {
                             "precision": f"{precision} / {ggml}",
@@ -243,10 +266,34 @@ def main() -> None:
         )
     compiles = ", ".join(f"{r['precision']} {r['threads']}t {r['compile_s']:.0f} s" for r in rows[::2])
     print(f"\ncompiling the decode step (once per process, thread count and precision): {compiles}")
-    if agreement is not None:
-        print(f"greedy tokens, scratchlm fp32 compiled and llama.cpp f32: {agreement}")
+    for precision, note in agreement.items():
+        ggml = PRECISIONS[precision][0]
+        print(f"greedy tokens, scratchlm {precision} compiled and llama.cpp {ggml}: {note}")
+    compare_int8(rows, held)
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "greedy_tokens": agreement}, indent=2))
+
+
+def compare_int8(rows: list[dict], held: dict[str, int]) -> None:
+    """int8 against scratchlm's own fp32, row by row (eager and compiled), and the bytes of the matrices."""
+    fp32 = {(r["threads"], r["decoding"]): r for r in rows if r["precision"].startswith("fp32")}
+    int8 = [r for r in rows if r["precision"].startswith("int8")]
+    if int8 and fp32:
+        print(
+            "\n| threads | decoding | int8 / fp32 eager | int8 / fp32 compiled | int8 compiled / llama.cpp q8_0 |"
+        )
+        print("| ---: | --- | ---: | ---: | ---: |")
+        for r in int8:
+            f = fp32[r["threads"], r["decoding"]]
+            print(
+                f"| {r['threads']} | {r['decoding']} | {r['scratchlm_eager'] / f['scratchlm_eager']:.2f}× "
+                f"| **{r['scratchlm_compiled'] / f['scratchlm_compiled']:.2f}×** | **{r['ratio']:.2f}×** |"
+            )
+    if "int8" in held and "fp32" in held:
+        print(
+            f"matrices held: int8 {held['int8'] / 2**20:.1f} MiB, fp32 {held['fp32'] / 2**20:.1f} MiB "
+            f"({held['int8'] / held['fp32']:.3f}× fp32's bytes, {2 * held['int8'] / held['fp32']:.3f}× bf16's)"
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from scratchlm.device import Plan, plan
 from scratchlm.evaluation import evaluate
 from scratchlm.model.config import ModelConfig
 from scratchlm.quickstart import (
-    CALIBRATION_STEPS,
     FULL,
     SMALL,
     build_data,
@@ -42,6 +41,7 @@ from scratchlm.quickstart import (
     unigram_entropy,
 )
 from scratchlm.run import load_trained
+from scratchlm.training.budget import CALIBRATION_STEPS
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.schedule import cosine_lr_schedule
 

@@ -5,7 +5,7 @@ Every run is the quickstart's training (`scratchlm.quickstart.train_within_budge
 fit the schedule to the steps that fit in the wall-clock budget, compilation included), followed by the loss on
 every token of the held-out file. The specification's recipe is AdamW + cosine at its best learning rate of the
 sweep (`--spec-lrs`); the fast one is `scratchlm.training.recipes.FAST` in the quickstart's shape (`RECIPES["fast"]` of
-scratchlm/quickstart.py).
+scratchlm/quickstart/sizes.py).
 
     python benchmarks/bench_recipe.py --spec-lr 4e-3           # both at 240 s and at 120 s
     python benchmarks/bench_recipe.py --spec-lr 4e-3 --spec-lrs 2e-3,8e-3 --fractions 0.5,0.35 \
@@ -20,7 +20,7 @@ bracket the target (loss taken as linear in log(budget)); "≤ f" when even the 
 
 By default the runs go one at a time, each with the threads `scratchlm quickstart` would give it, as a user
 runs them (`--threads 1`: one at a time with one thread); the fast recipe's shape is then chosen for each budget as the quickstart chooses it
-(`FAST_SHAPES` of scratchlm/quickstart.py), and each run's shape is in the table. `--parallel 2` runs two
+(`FAST_SHAPES` of scratchlm/quickstart/sizes.py), and each run's shape is in the table. `--parallel 2` runs two
 trainings at a time, one thread each, so that runs compared with each other share whatever else the machine is
 doing at the time (the fair race of bench_quickstart.py --concurrent); there the specification's recipe also
 runs at each of `--fractions`, as the partner of the fast recipe's shorter run.
@@ -51,7 +51,8 @@ from scratchlm.evaluation import evaluate
 from scratchlm.experiments.plot import plot_runs
 from scratchlm.quickstart import FULL, RECIPES, SMALL, build_data, train_within_budget
 from scratchlm.run import load_trained
-from scratchlm.training.config import TrainConfig, parse_override
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.config_reader import parse_override
 from scratchlm.training.recipes import merged
 
 #: Each piece of the fast recipe, removed on its own (the ablation table). "muon" falls back to the

@@ -2,8 +2,8 @@
 `generate_stream`, at the TinyStories model of the CS336 assignment-1 handout.
 
 The model (vocab 10,000, context 256, d_model 512, 4 layers, 16 heads) has random weights: the cost of a token
-does not depend on what the weights are. It is held as `scratchlm serve` holds it (`Plan.for_inference` at
-`--precision`, default auto: bf16 on a CPU with native bf16, else fp32), with the threads serve chooses. The
+does not depend on what the weights are. It is held as `scratchlm serve` holds it (`prepare_for_inference`
+at `--precision`, default auto: bf16 on a CPU with native bf16, else fp32), with the threads serve chooses. The
 tokenizer is GPT-2's (a test fixture); the prompts are short English sentences whose tokens all fall inside the
 model's vocabulary. The server runs in this process (uvicorn in a thread, on 127.0.0.1 and a free port); the
 clients are threads speaking HTTP and reading the streamed events, each asking for `--tokens` new tokens
@@ -35,6 +35,7 @@ import torch
 
 from scratchlm.device import apply_threads, plan
 from scratchlm.generation.generate import generate_stream
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.precisions import PRECISIONS
@@ -113,7 +114,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = ModelConfig()
-    model = choices.for_inference(TransformerLM.from_config(config))
+    model = prepare_for_inference(TransformerLM.from_config(config), choices)
     tokenizer = Tokenizer.from_files(
         FIXTURES / "gpt2_vocab.json", FIXTURES / "gpt2_merges.txt", [END_OF_TEXT]
     )
@@ -162,7 +163,7 @@ def measure(model: TransformerLM, tokenizer: Tokenizer, prompts: list[str], comp
     engine = Engine(
         model, tokenizer.token_id(END_OF_TEXT), max_batch=max(16, args.clients), compiled=compiled
     )
-    engine.warm_up(print)
+    engine.batch.warm_up(print)
     engine.start()
     server = build_server(engine, tokenizer, "tinystories-shape", port=0)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -222,7 +223,7 @@ def measure(model: TransformerLM, tokenizer: Tokenizer, prompts: list[str], comp
         "single": args.tokens / single,
         "direct": args.tokens / direct_s,
         "server_share": direct_s / single,
-        "peak_batch": engine.peak_batch,
+        "peak_batch": engine.batch.peak_batch,
     }
 
 

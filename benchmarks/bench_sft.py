@@ -41,7 +41,7 @@ from scratchlm.chat.conversations import write_conversations  # noqa: E402
 from scratchlm.chat.pipeline import as_chat_model  # noqa: E402
 from scratchlm.chat.tasks import conversation, exact_match, vocabulary  # noqa: E402
 from scratchlm.chat.template import Message  # noqa: E402
-from scratchlm.device.profile import cpu_name_and_flags  # noqa: E402
+from scratchlm.device.host import cpu_name_and_flags  # noqa: E402
 from scratchlm.io import atomic_write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

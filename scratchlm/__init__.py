@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     "get_batch": "scratchlm.data.tokens",
     "load_tokens": "scratchlm.data.tokens",
     "save_checkpoint": "scratchlm.run.checkpoint",
-    "load_checkpoint": "scratchlm.run.checkpoint",
+    "load_checkpoint": "scratchlm.run.load",
     "build_optimizer": "scratchlm.training.optimizers",
     "parameter_groups": "scratchlm.training.optim",
     "TrainConfig": "scratchlm.training.config",
@@ -75,6 +75,7 @@ _EXPORTS: dict[str, str] = {
     # generation and experiments
     "generate": "scratchlm.generation.generate",
     "generate_stream": "scratchlm.generation.generate",
+    "prepare_for_inference": "scratchlm.generation.layout",  # the plan's layout, quantize="int8" included
     "SamplingOptions": "scratchlm.generation.sampling",
     "plot_runs": "scratchlm.experiments.plot",
     "run_sweep": "scratchlm.experiments.sweep",

@@ -7,7 +7,7 @@ that the kernel must zero on first touch. Measured on two cores (the quickstart'
 about 40 % of the process's CPU time went to the kernel, and a step took 2.2 times as long (851 ms against
 389 ms) as with the thresholds raised so that freed blocks stay in the heap for the next step. Decoding does the
 same a token at a time (logits, attention scores), and a model prepared for inference on a CPU keeps the memory
-too (`scratchlm.parallel.inference`). The cost is that memory freed by the process is not returned to the system
+too (`scratchlm.generation.layout`). The cost is that memory freed by the process is not returned to the system
 until it exits.
 """
 

@@ -12,7 +12,7 @@ windows are consecutive, a batch of them is one contiguous slice of the file res
 per window. The loss is the mean over all N - 1 predictions (windows weighted by their length) and the
 perplexity is `exp(loss)`.
 
-The model computes in the dtype its weights are held in (`Plan.for_inference` puts them in the resolved
+The model computes in the dtype its weights are held in (`prepare_for_inference` puts them in the resolved
 precision's); the loss itself is summed in float32 whatever the logits' dtype.
 """
 

@@ -12,11 +12,11 @@ The harness asks three kinds of question, and each is answered the way its `hf` 
                                            length, each predicted after the token before it (the first after
                                            end-of-text), as the harness's `get_rolling_token_windows` cuts it
     generate_until(context, until, ...)    a completion that ends at the first `until` string, at
-                                           end-of-text or after `max_gen_toks` tokens: the serving engine's
+                                           end-of-text or after `max_gen_toks` tokens: the batched engine's
                                            batching runs every request together
 
-The model computes in the dtype its weights are held in (the device plan's precision; `Plan.for_inference`);
-log-probabilities are taken in float32. lm-eval is the optional extra `scratchlm[eval]`; `scratchlm eval
+The model computes in the dtype its weights are held in (the device plan's precision:
+`prepare_for_inference`); log-probabilities are taken in float32. lm-eval is the optional extra `scratchlm[eval]`; `scratchlm eval
 --tasks` is the way in.
 """
 
@@ -33,9 +33,10 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from scratchlm.generation.engine import Failed, Finished, SequenceRequest, Token
 from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.serving.engine import Engine, Failed, Finished, SequenceRequest, Token
+from scratchlm.serving.engine import Engine
 from scratchlm.serving.text import CompletionText
 from scratchlm.tokenizer.tokenizer import Tokenizer
 

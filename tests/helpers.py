@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,11 +91,11 @@ def run_metrics(run_dir: Path, key: str) -> list[float]:
 def last_checkpoint(run_dir: Path) -> dict:
     """The newest checkpoint of `run_dir` as the dict a single file holds; a sharded one (a directory, as
     `training.parallel = "fsdp"` writes) consolidated in this process."""
-    from scratchlm.run import Checkpoint
+    from scratchlm.run.load import read_any
 
     path = sorted((run_dir / "checkpoints").iterdir())[-1]
     if path.is_dir():
-        return Checkpoint.read(path).to_dict()
+        return read_any(path).to_dict()
     return torch.load(path, weights_only=True)
 
 
@@ -106,3 +108,26 @@ def scratchlm_command(*args: str, timeout: float = 300) -> subprocess.CompletedP
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def settled(disagreements: Callable[[], list], rounds: int = 3) -> list:
+    """What `disagreements()` (a measurement against an independent timing) finds, measured again, up to
+    `rounds` times in all, while it finds something: a neighbour's burst of work (the suite runs on two
+    workers) skews one round, a wrong formula every round."""
+    found = disagreements()
+    for _ in range(rounds - 1):
+        if not found:
+            break
+        found = disagreements()
+    return found
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

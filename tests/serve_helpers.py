@@ -47,7 +47,7 @@ class Running:
         self.eos_id = self.tokenizer.token_id(END_OF_TEXT)
         engine_options.setdefault("stop_ids", end_ids(self.tokenizer))
         self.engine = Engine(self.model, self.eos_id, **engine_options)
-        self.engine.warm_up()  # compiles the decode step where `compiled=True`, as `scratchlm serve` does
+        self.engine.batch.warm_up()  # compiles the decode step where `compiled=True`, as `scratchlm serve` does
         self.engine.start()
         self.server = build_server(self.engine, self.tokenizer, name, port=0, api_key=api_key)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -86,6 +86,7 @@ def test_gpt2_xl_by_hand():
     assert memory.activations_per_sequence == 4 * activations
     assert memory.max_batch_size(80e9) == int((80e9 - 16 * params) // (4 * activations)) == 2
     assert acc.train_step_flops(xl, 1_024) == 3 * 1_024 * flops
+    assert acc.flops_per_token(xl) == 3 * flops // L  # the MFU numerator: a full-context sequence's share
     days = acc.training_days(400_000 * 3 * 1_024 * flops, 19.5e12, 0.5)
     assert days == pytest.approx(400_000 * 3 * 1_024 * flops / 9.75e12 / 86_400)
 

@@ -58,12 +58,13 @@ import ctypes, sys, torch
 sys.path.insert(0, {tests!r})
 from test_allocator import mmapped_bytes_for
 from scratchlm.device import plan
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 model = TransformerLM.from_config(ModelConfig(vocab_size=64, context_length=8, d_model=16, num_layers=1,
                                               num_heads=2, d_ff=32))
 if sys.argv[1] == "prepared":
-    plan(torch.device("cpu"), "fp32", threads=1).for_inference(model)
+    prepare_for_inference(model, plan(torch.device("cpu"), "fp32", threads=1))
 print(mmapped_bytes_for(64 << 20))
 """
 

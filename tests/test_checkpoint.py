@@ -153,11 +153,11 @@ def test_errors_name_the_file(tmp_path):
         load_checkpoint(tmp_path / "other.pt", model)
 
 
-@pytest.mark.parametrize("kind", ["empty", "objects", "truncated", "directory"])
+@pytest.mark.parametrize("kind", ["empty", "objects", "truncated", "garbage", "directory"])
 def test_an_unreadable_checkpoint_is_one_line_naming_the_file(tmp_path, kind):
     """An empty file, a torch file of arbitrary Python objects (which `weights_only` refuses with several
-    lines of advice), a truncated checkpoint and a directory: each is one line that names the file and says
-    what is wrong."""
+    lines of advice), a truncated checkpoint, garbage after a zip archive's signature and a directory: each is
+    one line that names the file and says what is wrong."""
     path = tmp_path / "bad.pt"
     if kind == "empty":
         path.write_bytes(b"")
@@ -167,15 +167,47 @@ def test_an_unreadable_checkpoint_is_one_line_naming_the_file(tmp_path, kind):
         model, optimizer = model_and_optimizer()
         save_checkpoint(model, optimizer, 1, path)
         path.write_bytes(path.read_bytes()[:-200])
+    elif kind == "garbage":
+        path.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
     else:
         path.mkdir()
     with pytest.raises(ScratchlmError) as error:
         read_checkpoint(path)
     message = str(error.value)
     assert "\n" not in message and str(path) in message
-    expected = {"empty": "is empty", "objects": "not a scratchlm checkpoint", "truncated": "could not be read",
-                "directory": "is not a file"}[kind]  # fmt: skip
+    incomplete = "is not a complete checkpoint (truncated or corrupt)"
+    expected = {"empty": "is empty", "objects": "not a scratchlm checkpoint", "truncated": incomplete,
+                "garbage": incomplete, "directory": "is not a file"}[kind]  # fmt: skip
     assert expected in message and not message.endswith(": ")
+
+
+def test_a_checkpoint_cut_or_overwritten_anywhere_says_what_is_wrong_in_words(tmp_path):
+    """Cut short at any length, or with 8 bytes overwritten anywhere, a checkpoint is refused with one line
+    that names the file and says in words what is wrong, never with the raw reason torch's reader met (an
+    "[Errno 22] Invalid argument", a KeyError's "255")."""
+    model, optimizer = model_and_optimizer()
+    save_checkpoint(model, optimizer, 1, tmp_path / "good.pt")
+    data = (tmp_path / "good.pt").read_bytes()
+    path = tmp_path / "bad.pt"
+    incomplete = "is not a complete checkpoint (truncated or corrupt): PyTorch cannot read its archive"
+    for length in range(64, len(data), 101):
+        path.write_bytes(data[:length])
+        with pytest.raises(ScratchlmError) as error:
+            read_checkpoint(path)
+        assert str(error.value).startswith(f"checkpoint {path} {incomplete}"), length
+    damaged = "is damaged: its content does not match"
+    in_words = (incomplete, damaged, "is not a scratchlm checkpoint")
+    refused = []
+    for offset in range(0, len(data), 97):
+        path.write_bytes(data[:offset] + b"\xff" * 8 + data[offset + 8 :])
+        try:
+            read_checkpoint(path)
+        except ScratchlmError as e:
+            refused.append(str(e))
+    assert len(refused) > len(data) // 97 // 2  # most places are data or structure that is checked
+    assert any(incomplete in m for m in refused) and any(damaged in m for m in refused)
+    for message in refused:
+        assert "\n" not in message and str(path) in message and any(p in message for p in in_words), message
 
 
 @pytest.mark.parametrize("name", ["trained.pt", "imported.pt"])
@@ -208,19 +240,5 @@ def test_the_fixtures_read_to_their_fields():
     assert imported.training is None and imported.tokenizer_dir is None
     assert imported.tokenizer_fingerprint == "0123456789abcdef" * 4
     model = TransformerLM(imported.model_config)
-    imported.load_into(model)
+    assert load_checkpoint(imported, model) == 0
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.model.items())
-
-
-def test_the_training_fields_still_read_from_the_checkpoint_itself() -> None:
-    """Before `TrainingState` grouped them they were `Checkpoint`'s own fields; code written then still works."""
-    from scratchlm.model.config import ModelConfig
-    from scratchlm.run.checkpoint import Checkpoint, TrainingState
-
-    config = ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2)
-    trained = Checkpoint({}, 3, config, training=TrainingState({"data": {}}, tokens=7, precision="bf16"))
-    assert (trained.train_config, trained.tokens, trained.precision) == ({"data": {}}, 7, "bf16")
-    imported = Checkpoint({}, 0, config)
-    assert (imported.train_config, imported.elapsed_s, imported.loss_scale) == ({}, 0.0, None)
-    with pytest.raises(AttributeError):
-        _ = imported.no_such_field

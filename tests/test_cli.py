@@ -79,6 +79,13 @@ def test_quickstart_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []  # nothing started
 
 
+def test_train_without_a_config_says_what_to_pass(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, _, err = run_cli(["train", "--out", str(tmp_path / "run")], capsys)
+    assert_one_line_error(status, err, "scratchlm train needs --config FILE", "configs/tiny.toml")
+    assert Path(__file__).parent.parent.joinpath("configs", "tiny.toml").is_file()  # the example exists
+    assert not (tmp_path / "run").exists()
+
+
 def test_download_errors(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = run_cli(["download", "wikipedia"], capsys)
     assert_usage_error(status, err, "invalid choice: 'wikipedia'", "tinystories", "owt-sample")

@@ -155,7 +155,7 @@ def test_an_interrupted_quickstart_says_to_rerun_the_same_command(tmp_path) -> N
     out = tmp_path / "q"
     # Training that lasts until the signal: the small quickstart with a step limit too far to reach.
     script = (
-        "import sys, scratchlm.quickstart as q; real = q.train; "
+        "import sys, scratchlm.quickstart.stages as q; real = q.train; "
         "q.train = lambda config, resume=False: real(config.replace(training={'max_steps': 10**6}), resume); "
         "from scratchlm.cli import main; sys.exit(main(sys.argv[1:]))"
     )

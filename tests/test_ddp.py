@@ -6,6 +6,7 @@ Launched the way users launch it: `torchrun --nproc_per_node 2 -m scratchlm trai
 
 import socket
 import subprocess
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,12 @@ import torch
 from helpers import TORCHRUN_ENV, run_metrics, torchrun_command, torchrun_train
 
 from scratchlm import train
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.parallel import PARALLELISMS
+from scratchlm.parallel.ddp import parallelize_ddp
+from scratchlm.parallel.execution import ParallelSettings
+from scratchlm.parallelisms import ParallelName
 from scratchlm.training.config import TrainConfig
 
 # How far two processes may drift from one. In fp32 the only difference is the order of the gradient sums
@@ -76,6 +83,35 @@ def test_two_processes_match_one(tmp_path: Path, precision: str):
     for key in one["model"]:
         torch.testing.assert_close(two["model"][key], one["model"][key], atol=10 * rtol, rtol=10 * rtol)
     assert not (two["model"]["lm_head.weight"] == 0).all()
+
+
+def test_the_config_accepts_exactly_the_kinds_of_parallelism():
+    assert set(typing.get_args(ParallelName)) == set(PARALLELISMS)
+
+
+def test_ddp_keeps_no_second_copy_of_the_gradients(tmp_path: Path):
+    """The gradients are views into DDP's flat all-reduce buckets (`gradient_as_bucket_view`): after a backward
+    pass the parameters' gradients share a bucket's storage, where gradients of their own would each have
+    theirs, a second copy of every gradient beside the buckets."""
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        model = TransformerLM(
+            ModelConfig(
+                vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=4, tie_embeddings=False
+            )
+        )
+        execution = parallelize_ddp(model, torch.device("cpu"), ParallelSettings(world_size=1))
+        for _ in range(2):  # the second backward pass too: the views last past the first step's gradients
+            model.zero_grad(set_to_none=True)
+            execution.train_model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert len(grads) > 10 and all(g is not None for g in grads)
+        buckets = {g.untyped_storage().data_ptr() for g in grads}
+        assert len(buckets) <= 2  # DDP's small first bucket, then one of 25 MB
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:

@@ -2,6 +2,8 @@
 padded cache, compiled tokens against eager ones, and when a generation compiles."""
 
 import dataclasses
+import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +13,11 @@ from scratchlm.device import choices as device_choices
 from scratchlm.device import decode_timings
 from scratchlm.device.decode_timings import ASSUMED, DecodeTimings, worth_compiling
 from scratchlm.device.planning import plan
-from scratchlm.generation import decode
+from scratchlm.generation import compile_policy, decode
+from scratchlm.generation.compile_policy import measure_decoder
 from scratchlm.generation.decode import Decoder, bucket, window_buckets
 from scratchlm.generation.generate import generate, generate_stream
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.model.kv_cache import WholeWindowKVCache
 
 SMALL = ModelConfig(
@@ -78,7 +82,7 @@ def test_compiled_greedy_tokens_equal_eager_ones_in_fp32(rows):
     eager = generate(model, batch, 18, temperature=0, compile=False)
     compiled = generate(model, batch, 18, temperature=0, compile=True)
     assert compiled == eager
-    assert decode._DECODERS[model][rows].compile_seconds > 0  # it did compile
+    assert compile_policy._DECODERS[model][rows].compile_seconds > 0  # it did compile
     # Past the context the generation recomputes on the window, compiled decoder or not.
     assert generate(model, batch, 30, temperature=0, compile=True) == generate(
         model, batch, 30, temperature=0, compile=False
@@ -112,18 +116,18 @@ def test_compiled_sampling_follows_the_seed_and_stops_at_eos():
 
 def test_a_short_generation_never_compiles(monkeypatch):
     """With the plan's consent (`compiled_decode`) but no measured timings, a few tokens are not worth a
-    compilation: it is never started."""
+    compilation: it is never started (on a CPU a step compiles through `compile_on_cpu`, refused here)."""
     model = small_model()
     model.compiled_decode = True
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled")
 
-    monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setattr(decode, "compile_on_cpu", refuse)
     assert generate(model, [1, 2, 3], 20, temperature=0) == generate(
         model, [1, 2, 3], 20, temperature=0, compile=False
     )
-    assert model not in decode._DECODERS
+    assert model not in compile_policy._DECODERS
 
 
 def test_worth_compiling_weighs_the_time_saved_against_compiling():
@@ -144,7 +148,7 @@ def test_a_measured_generation_records_its_timings_and_the_next_one_uses_them(mo
     assert decode_timings.device_timings(torch.device("cpu")) == {}
     # Told that compiling pays, a plan-driven generation switches after its warm-up steps and records.
     model.compiled_decode = True
-    monkeypatch.setattr(decode, "worth_compiling", lambda *args: True)
+    monkeypatch.setattr(compile_policy, "worth_compiling", lambda *args: True)
     assert generate(model, prompts(1, 3), 12, temperature=0) == generate(
         model, prompts(1, 3), 12, temperature=0, compile=False
     )
@@ -158,7 +162,7 @@ def test_the_server_measures_each_bucket_and_keeps_the_faster_way():
     decoder = Decoder(model, 4, compiled=True)
     decoder.cache.store(0, _prefilled(model, 5))
     before = decoder.cache.layers[0].keys.clone()
-    timings = decoder.measure(2)
+    timings = measure_decoder(decoder, 2)
     assert timings.compile_s > 0 and timings.eager_ms > 0 and timings.compiled_ms > 0
     assert decoder.cache.lengths[0] == 5 and torch.equal(decoder.cache.layers[0].keys, before)
     assert decoder.is_compiled_for(2) and not decoder.is_compiled_for(3)
@@ -180,15 +184,28 @@ def test_the_plan_allows_compiled_decode_only_with_a_compiler_and_without_no_com
     assert ("compiled" in choices.decode.reason) is found
     assert plan(torch.device("cpu"), "fp32", compile_decode=False).decode.value is False
     model = small_model()
-    choices.for_inference(model)
+    prepare_for_inference(model, choices)
     assert model.compiled_decode is found
     assert choices.to_dict()["decode"]["value"] is found
 
 
 def test_a_cuda_plan_compiles_as_cuda_graphs(monkeypatch):
+    """A CUDA plan allows compiled decode steps, and a decoder whose cache lives on a GPU compiles its step
+    with `torch.compile` in "reduce-overhead" mode (CUDA graphs), one graph per fixed shape. No GPU is needed:
+    the cache only has to say it is on one, and `torch.compile` is recorded rather than run."""
     monkeypatch.setattr(device_choices, "compiler_found", lambda device: (True, "Triton 3"))
-    choice = device_choices.choose_decode(True, torch.device("cuda"))
-    assert choice.value and "CUDA graphs" in choice.reason
+    assert device_choices.choose_decode(True, torch.device("cuda")).value is True
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: calls.append(options) or fn)
+    model = small_model()
+    on_gpu = SimpleNamespace(layers=[SimpleNamespace(keys=SimpleNamespace(is_cuda=True))])
+    monkeypatch.setattr(model, "new_padded_kv_cache", lambda rows: on_gpu)
+    Decoder(model, 4, compiled=True)
+    [options] = calls
+    assert options["mode"] == "reduce-overhead" and options["dynamic"] is False and options["fullgraph"]
+    calls.clear()
+    Decoder(model, 4, compiled=False)  # eager: nothing compiled
+    assert calls == []
 
 
 def test_weights_held_by_columns_get_a_copy_by_rows_for_the_compiled_step():
@@ -236,7 +253,7 @@ def test_a_step_is_compiled_again_for_another_thread_count():
     finally:
         torch.set_num_threads(threads)
     window = SMALL.context_length  # one row of this model: no window buckets
-    assert set(decode._DECODERS[model][1]._steps) == {(1, window, 1), (1, window, 2)}
+    assert set(compile_policy._DECODERS[model][1]._steps) == {(1, window, 1), (1, window, 2)}
 
 
 def test_windows_are_bucketed_where_the_rows_keys_and_values_weigh_a_quarter_of_the_weights():
@@ -278,9 +295,9 @@ def test_a_bucketed_window_gives_the_eager_tokens_across_its_bounds():
     eager = generate(model, batch, 50, temperature=0, compile=False)
     assert generate(model, batch, 50, temperature=0, compile=True) == eager
     threads = torch.get_num_threads()
-    assert set(decode._DECODERS[model][3]._steps) == {(3, w, threads) for w in (16, 32, 64)}
+    assert set(compile_policy._DECODERS[model][3]._steps) == {(3, w, threads) for w in (16, 32, 64)}
     generate(model, batch[:1], 20, temperature=0, compile=True)
-    assert set(decode._DECODERS[model][1]._steps) == {(1, 64, threads)}
+    assert set(compile_policy._DECODERS[model][1]._steps) == {(1, 64, threads)}
 
 
 @pytest.mark.usefixtures("windows_at_any_size")
@@ -290,7 +307,7 @@ def test_the_server_compiles_every_window_of_a_bucket_before_it_measures():
     said: list[str] = []
     decoder = Decoder(model, 4, compiled=True, announce=said.append)
     assert not decoder.is_compiled_for(3)
-    decoder.measure(3)
+    measure_decoder(decoder, 3)
     assert decoder.is_compiled_for(3) and decoder.is_compiled_for(4)
     threads = torch.get_num_threads()
     assert {key for key in decoder._steps if key[0] == 4} == {(4, w, threads) for w in (16, 32, 64)}
@@ -299,3 +316,37 @@ def test_the_server_compiles_every_window_of_a_bucket_before_it_measures():
     assert [line.rsplit(" in ", 1)[0] for line in said[1::2]] == [
         f"compiled the decode step for {shape}" for shape in shapes
     ]
+
+
+def test_the_private_torch_apis_the_cpu_compiled_decode_uses_are_where_it_expects_them():
+    """`compile_on_cpu` rests on PyTorch APIs that are not public: `make_fx` (torch.fx.experimental.
+    proxy_tensor) traces the step with `tracing_mode="real"`, Inductor's `standalone_compile` compiles the
+    graph with `dynamic_shapes="from_example_inputs"`, and the decoder marks its tensors with
+    `torch._dynamo.mark_static_address`. A torch upgrade that moves or changes one of them fails here, by
+    name. Each is used as the decoder uses it, on a step of the same form (weights as inputs, a cache written
+    in place), against the eager function."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    assert decode.make_fx is make_fx  # the one the decoder imports
+    assert "tracing_mode" in inspect.signature(make_fx).parameters
+    standalone_compile = torch._inductor.standalone_compile
+    assert "dynamic_shapes" in inspect.signature(standalone_compile).parameters
+    torch._dynamo.mark_static_address(torch.zeros(1))
+
+    def step(tokens: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache[:, 1] = weight[tokens[:, 0]]  # the new position's row, written in place
+        return torch.tanh(cache.sum(1)) @ weight.T
+
+    weight = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[4], [1]])
+    cache = torch.zeros(2, 2, 3)
+    cache[:, 0] = 1.0
+    inputs = [tokens, weight, cache.clone()]
+    with torch.no_grad():
+        graph = make_fx(step, tracing_mode="real")(*[t.clone() for t in inputs])
+        compiled = standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs")
+        expected_cache = cache.clone()
+        expected = step(tokens, weight, expected_cache)
+        got = compiled(*inputs)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(inputs[2], expected_cache)  # the cache was written where it lies

@@ -19,17 +19,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROJECT_ROOT
+from helpers import PROJECT_ROOT, settled, torch_threads
 from test_trainer import records, small_config
 
 from scratchlm.cli import main
 from scratchlm.device import choices as choices_module
+from scratchlm.device import compiler as compiler_module
+from scratchlm.device import host as host_module
 from scratchlm.device import planning as plan_module
 from scratchlm.device import profile as profile_module
+from scratchlm.device import rates as rates_module
+from scratchlm.device import select as select_module
 from scratchlm.device.choices import PEAK_FLOPS, choose_threads, resolve_precision
+from scratchlm.device.host import cgroup_cpu_limit
 from scratchlm.device.planning import plan
-from scratchlm.device.profile import DeviceProfile, cgroup_cpu_limit, device_profile
+from scratchlm.device.profile import DeviceProfile, device_profile
 from scratchlm.errors import ScratchlmError
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.precisions import PRECISIONS
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.optimizers import build_optimizer
@@ -153,7 +159,7 @@ def test_the_plan_answers_dtype_autocast_and_loss_scaling_from_the_one_precision
     assert y.dtype == expected  # fp32: no autocast, float32 stays float32
 
 
-def test_for_inference_holds_the_weights_in_the_compute_dtype_and_keeps_the_rope_tables_float32(
+def test_prepare_for_inference_holds_the_weights_in_the_compute_dtype_and_keeps_the_rope_tables_float32(
     monkeypatch,
 ):
     from scratchlm import TransformerLM
@@ -161,7 +167,7 @@ def test_for_inference_holds_the_weights_in_the_compute_dtype_and_keeps_the_rope
     monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: BF16_CPU)
     model = TransformerLM.from_handout(50, 16, 32, 2, 4, 64)
     for requested, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
-        plan(torch.device("cpu"), requested, threads=1).for_inference(model)
+        prepare_for_inference(model, plan(torch.device("cpu"), requested, threads=1))
         assert not model.training
         assert {p.dtype for p in model.parameters()} == {dtype}
         assert {b.dtype for b in model.buffers()} == {torch.float32}
@@ -276,7 +282,7 @@ def test_threads_follow_a_restricted_affinity_mask():
         "import os\n"
         "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
         "from scratchlm.device.choices import choose_threads\n"
-        "from scratchlm.device.profile import usable_cores\n"
+        "from scratchlm.device.host import usable_cores\n"
         "print(os.cpu_count(), usable_cores(), choose_threads().value)\n"
     )
     out = subprocess.run(
@@ -318,9 +324,9 @@ def test_a_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
     (tmp_path / "cpu.cfs_quota_us").write_text("50000\n")
     (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
     assert cgroup_cpu_limit(tmp_path) == 0.5
-    monkeypatch.setattr(profile_module, "affinity_cpus", lambda: list(range(64)))
-    monkeypatch.setattr(profile_module, "cgroup_cpu_limit", lambda: 1.5)
-    assert profile_module.usable_cores() == 2
+    monkeypatch.setattr(host_module, "affinity_cpus", lambda: list(range(64)))
+    monkeypatch.setattr(host_module, "cgroup_cpu_limit", lambda: 1.5)
+    assert host_module.usable_cores() == 2
 
 
 # -- the profile --------------------------------------------------------------------------------------------
@@ -345,7 +351,7 @@ def measuring(tmp_path, monkeypatch):
     monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(profile_module, "_in_process", {})
     for name, value in SMALL_MEASUREMENT.items():
-        monkeypatch.setattr(profile_module, name, value, raising=False)
+        monkeypatch.setattr(rates_module, name, value)
     return tmp_path
 
 
@@ -356,8 +362,8 @@ def cache_file(device: torch.device, threads: int) -> Path:
 def test_the_profile_is_measured_once_per_machine_and_cached(measuring, monkeypatch, capsys):
     # A quiet machine: every trial counts as quiet, and no spot check of the cache beats it (on this shared
     # machine, other tests' work may have slowed the trials down).
-    monkeypatch.setattr(profile_module, "quiet_enough", lambda *args: True)
-    monkeypatch.setattr(profile_module, "spot_check", lambda device, profile: None)
+    monkeypatch.setattr(rates_module, "quiet_enough", lambda *args: True)
+    monkeypatch.setattr(profile_module, "spot_check", lambda device, rates: None)
     calls = []
     real = profile_module.measure
     monkeypatch.setattr(profile_module, "measure", lambda device: calls.append(device) or real(device))
@@ -393,21 +399,21 @@ def test_a_profile_measured_on_a_busy_machine_is_used_but_not_cached(measuring, 
 # before measuring at all, or inside the first timed matmul (after any look at the cores before it).
 MEASURING_CHILD = """
 import json, sys, torch
-from scratchlm.device import profile
+from scratchlm.device import host, profile, rates
 for name, value in SMALL.items():
-    setattr(profile, name, value)
-torch.set_num_threads(profile.usable_cores())
+    setattr(rates, name, value)
+torch.set_num_threads(host.usable_cores())
 def hold():
     print("ready", flush=True)
     sys.stdin.readline()
 if HOLD == "inside":
-    profile.busy_cores = lambda seconds=0.3: 0.0  # whatever ran before, a check before found the cores idle
-    real, held = profile.matmul_gflops, []
+    host.busy_cores = lambda seconds=0.3: 0.0  # whatever ran before, a check before found the cores idle
+    real, held = rates.matmul_gflops, []
     def matmul_gflops(*args, **kwargs):
         if not held:
             held.append(hold())
         return real(*args, **kwargs)
-    profile.matmul_gflops = matmul_gflops
+    rates.matmul_gflops = matmul_gflops
 else:
     hold()
 print(json.dumps(profile.device_profile(torch.device("cpu")).to_dict()), flush=True)
@@ -435,8 +441,8 @@ def quiet_rates(threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     try:
         return {
-            name: max(profile_module.matmul_gflops(torch.device("cpu"), dtype, 256, 0.03) for _ in range(3))
-            for name, dtype in profile_module.DTYPES.items()
+            name: max(rates_module.matmul_gflops(torch.device("cpu"), dtype, 256, 0.03) for _ in range(3))
+            for name, dtype in rates_module.DTYPES.items()
         }
     finally:
         torch.set_num_threads(previous)
@@ -444,26 +450,41 @@ def quiet_rates(threads: int) -> dict[str, float]:
 
 def test_two_processes_that_measure_at_once_cache_no_spoiled_profile(tmp_path):
     """Two processes start measuring at the same moment, as the ranks of one torchrun job or pytest-xdist
-    workers do, each with all the cores. Whatever either of them trusts (and the cache) is within a factor of
-    3 of a measurement taken alone, and a profile the second one got from the cache is the first one's."""
+    workers do, each with all the cores. They measure one at a time: exactly one of them waits for the
+    other's measurement and says so. A profile either of them trusts, and the cache, are within a factor of 3
+    of a measurement taken alone; a profile measured while the cores were taken is provisional, took every
+    trial and is not cached; a profile the waiting one got from the cache is the first one's."""
     children = [measuring_child("before", tmp_path) for _ in range(2)]
     for child in children:  # both go at once
         child.stdin.write("\n")
         child.stdin.flush()
-    profiles = []
+    profiles, errors = [], []
     for child in children:
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
         profiles.append(json.loads(out))
-    threads = profile_module.usable_cores()
+        errors.append(err)
+    waited = ["waiting for its result" in err for err in errors]
+    assert sum(waited) == 1, errors  # the lock made one wait for the other
+    first, second = (profiles[1], profiles[0]) if waited[0] else (profiles[0], profiles[1])
+    threads = host_module.usable_cores()
     alone = quiet_rates(threads)
     cached = [json.loads(path.read_text()) for path in tmp_path.glob("device-*.json")]
-    for profile in [p for p in profiles if not p.get("provisional")] + cached:
-        assert profile["threads"] == threads and not profile["provisional"]
+    trusted = [p for p in profiles if not p["provisional"]]
+    assert len(cached) == (1 if trusted else 0)
+    for profile, err in zip(profiles, errors, strict=True):
+        assert profile["threads"] == threads
+        if profile["provisional"]:
+            assert profile["trials"] == rates_module.MAX_TRIALS and "not cached" in err
+    for profile in trusted + cached:
+        assert not profile["provisional"]
         for name, rate in alone.items():
             assert profile["matmul_gflops"][name] > rate / 3, (name, profile["matmul_gflops"], alone)
-    if cached and not any(p["provisional"] for p in profiles):
-        assert profiles[0] == profiles[1]  # measured once: the second read the first one's
+    waiter = errors[waited.index(True)]
+    if first["provisional"]:  # nothing was cached for it: it measured itself
+        assert "measuring cpu" in waiter
+    else:  # measured once: it read the first one's, unless its spot check proved that one too slow
+        assert second == first or "the cached device profile is too slow" in waiter
 
 
 def test_a_measurement_that_other_work_interrupts_is_not_cached(tmp_path):
@@ -471,7 +492,7 @@ def test_a_measurement_that_other_work_interrupts_is_not_cached(tmp_path):
     every core. The measurement is marked provisional and not cached."""
     child = measuring_child("inside", tmp_path)
     spin = [sys.executable, "-c", "while True: pass"]
-    spinners = [subprocess.Popen(spin) for _ in range(profile_module.usable_cores())]
+    spinners = [subprocess.Popen(spin) for _ in range(host_module.usable_cores())]
     try:
         time.sleep(0.3)  # the spinners run
         child.stdin.write("\n")
@@ -483,7 +504,7 @@ def test_a_measurement_that_other_work_interrupts_is_not_cached(tmp_path):
             spinner.wait()
     assert child.returncode == 0, err
     profile = json.loads(out)
-    assert profile.get("provisional") is True and profile["trials"] == profile_module.MAX_TRIALS
+    assert profile.get("provisional") is True and profile["trials"] == rates_module.MAX_TRIALS
     assert not list(tmp_path.glob("device-*.json"))
     assert "not cached" in err
 
@@ -503,7 +524,7 @@ def test_a_measurement_that_other_work_interrupts_is_not_cached(tmp_path):
 def test_a_trial_is_quiet_when_other_work_left_the_measuring_threads_their_cores(
     others, share, threads, cores, quiet
 ):
-    assert profile_module.quiet_enough(profile_module.Load(others, share), threads, cores) is quiet
+    assert rates_module.quiet_enough(host_module.Load(others, share), threads, cores) is quiet
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the lock is fcntl's")
@@ -549,10 +570,10 @@ def scripted_rates(monkeypatch, bf16: list[float], fp32: float = 140.0) -> list[
         handed.append(next(trials))
         return handed[-1]
 
-    monkeypatch.setattr(profile_module, "matmul_gflops", matmul)
-    monkeypatch.setattr(profile_module, "matvec_gbps", lambda *args, **kwargs: 10.0)
-    monkeypatch.setattr(profile_module, "memory_gbps", lambda *args, **kwargs: 40.0)
-    monkeypatch.setattr(profile_module, "quiet_enough", lambda *args: True)
+    monkeypatch.setattr(rates_module, "matmul_gflops", matmul)
+    monkeypatch.setattr(rates_module, "matvec_gbps", lambda *args, **kwargs: 10.0)
+    monkeypatch.setattr(rates_module, "memory_gbps", lambda *args, **kwargs: 40.0)
+    monkeypatch.setattr(rates_module, "quiet_enough", lambda *args: True)
     return handed
 
 
@@ -563,10 +584,10 @@ def test_native_bf16_measured_slower_than_fp32_is_measured_again_before_it_is_ca
     """bf16 measured at 33.6 GFLOP/s against fp32's 140 (other work slowed the bf16 kernels) on a CPU whose
     flags say native bf16: more trials follow, and the cached profile has the rate they found. Without the
     flag, a slow bf16 is what the CPU is expected to measure: the usual trials, nothing more."""
-    identity = profile_module._identity(torch.device("cpu"))
+    identity = select_module.identity(torch.device("cpu"))
     flags = ("avx2", "fma", "avx512f", "avx512_bf16") if native else ("avx2", "fma")
     monkeypatch.setattr(
-        profile_module, "_identity", lambda device: {**identity, "flags": flags, "native_bf16": native}
+        profile_module, "identity", lambda device: {**identity, "flags": flags, "native_bf16": native}
     )
     handed = scripted_rates(monkeypatch, [33.6, 30.0, 897.0, 880.0])
     profile = device_profile(torch.device("cpu"))
@@ -583,11 +604,11 @@ def test_native_bf16_measured_slower_than_fp32_is_measured_again_before_it_is_ca
 def test_native_bf16_that_stays_slower_than_fp32_in_every_trial_is_believed(measuring, monkeypatch):
     """A CPU whose flags claim native bf16 but whose kernels really are slow: after `MAX_TRIALS` quiet trials
     the measurement stands, is cached, and "auto" trains in fp32."""
-    identity = profile_module._identity(torch.device("cpu"))
-    monkeypatch.setattr(profile_module, "_identity", lambda device: {**identity, "native_bf16": True})
-    handed = scripted_rates(monkeypatch, [100.0] * profile_module.MAX_TRIALS)
+    identity = select_module.identity(torch.device("cpu"))
+    monkeypatch.setattr(profile_module, "identity", lambda device: {**identity, "native_bf16": True})
+    handed = scripted_rates(monkeypatch, [100.0] * rates_module.MAX_TRIALS)
     profile = device_profile(torch.device("cpu"))
-    assert len(handed) == profile.trials == profile_module.MAX_TRIALS and not profile.provisional
+    assert len(handed) == profile.trials == rates_module.MAX_TRIALS and not profile.provisional
     assert len(list(measuring.glob("device-*.json"))) == 1
     assert resolve_precision("auto", profile)[0].value == "fp32"
 
@@ -612,7 +633,7 @@ def test_a_cached_profile_corrects_itself(measuring, monkeypatch, capsys):
     write_cached(DeviceProfile.from_dict(fast), measured_at=now.isoformat())
     assert device_profile(cpu).rate("fp32") == 1e9  # used as it is
 
-    fp32 = profile_module.matmul_gflops(cpu, torch.float32, 256)  # this CPU's rate, independently
+    fp32 = rates_module.matmul_gflops(cpu, torch.float32, 256)  # this CPU's rate, independently
     for stale, why in (
         ({"measured_at": (now - timedelta(days=8)).isoformat()}, "measured 8 days ago"),
         ({"matmul_gflops": {"fp32": fp32 / 20}}, "x the cached"),  # 20x too slow
@@ -626,17 +647,40 @@ def test_a_cached_profile_corrects_itself(measuring, monkeypatch, capsys):
 
 
 def test_matmul_rates_are_what_a_timed_matmul_gives():
-    """The measured fp32 rate is within a factor of 3 of an independent timing of a bigger product."""
-    import time
+    """Each dtype's measured rate is what products of the measurement's own size, timed here over as long
+    (2 n³ FLOPs each), give at the same thread count, within 1.5x either way; and so is the bf16 / fp32 ratio
+    "auto" decides by. Each side is the best of five, taken in turns, at one thread (a second thread on a
+    shared 2-core machine runs at whatever the other processes leave it): a rate off by 2 (a FLOP count
+    without its 2) fails."""
+    cpu, size = torch.device("cpu"), rates_module.CPU_MATMUL_SIZE
 
-    rate = profile_module.matmul_gflops(torch.device("cpu"), torch.float32)
-    a, b = torch.randn(768, 768), torch.randn(768, 768)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(5):
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         a @ b
-    independent = 5 * 2 * 768**3 / (time.perf_counter() - start) / 1e9
-    assert independent / 3 < rate < independent * 3
+        products, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < rates_module.MEASURE_SECONDS or products < 1:
+            a @ b
+            products += 1
+        return 2 * size**3 * products / elapsed / 1e9
+
+    def disagreements() -> list[tuple]:
+        measured: dict[str, float] = {}
+        independent: dict[str, float] = {}
+        with torch_threads(1):
+            for name in ("fp32", "bf16"):
+                dtype = rates_module.DTYPES[name]
+                a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+                for _ in range(5):  # in turns: other work slows both sides alike
+                    measured[name] = max(measured.get(name, 0.0), rates_module.matmul_gflops(cpu, dtype))
+                    independent[name] = max(independent.get(name, 0.0), timed(a, b))
+        ratio = (measured["bf16"] / measured["fp32"]) / (independent["bf16"] / independent["fp32"])
+        off = [
+            name
+            for name in measured
+            if not independent[name] / 1.5 < measured[name] < independent[name] * 1.5
+        ]
+        return [(off, ratio, measured, independent)] if off or not 1 / 1.5 < ratio < 1.5 else []
+
+    assert settled(disagreements) == []
 
 
 # -- the doctor ---------------------------------------------------------------------------------------------
@@ -727,7 +771,7 @@ def test_doctor_says_what_it_waits_for_before_it_waits(measuring, monkeypatch, c
         return True, "compiled a test function"
 
     monkeypatch.setattr(profile_module, "measure", measuring_now)
-    monkeypatch.setattr(profile_module, "compile_works", compiling_now)
+    monkeypatch.setattr(compiler_module, "compile_works", compiling_now)
     assert main(["doctor", "--set", "training.threads=1"]) == 0
     assert "measuring cpu with 1 thread: matmuls, memory and matrix-vector products" in said["measure"]
     assert "checking that torch.compile works here: compiling a small function" in said["compile"]
@@ -741,8 +785,8 @@ def test_compile_is_off_with_a_reason_where_no_compiler_is_found(monkeypatch):
 
 
 def test_compile_works_on_this_machine_is_a_real_compilation():
-    found, _ = profile_module.compiler_found(torch.device("cpu"))
-    works, note = profile_module.compile_works(torch.device("cpu"), timeout=300)
+    found, _ = compiler_module.compiler_found(torch.device("cpu"))
+    works, note = compiler_module.compile_works(torch.device("cpu"), timeout=300)
     assert works == found, note
 
 

@@ -12,11 +12,14 @@ import http.server
 import os
 import re
 import threading
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+import scratchlm
 from scratchlm.cli import main
 from scratchlm.data.download import DATASETS, download_dataset, download_file
 from scratchlm.errors import ScratchlmError
@@ -30,6 +33,7 @@ class ServerState:
     ignore_range: bool = False
     types: dict[str, str] = field(default_factory=dict)  # Content-Type to send, by path
     requests: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
+    agents: list[str | None] = field(default_factory=list)  # User-Agent header, by request
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -40,6 +44,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         state = self.state
         range_header = self.headers.get("Range")
         state.requests.append((self.path, range_header))
+        state.agents.append(self.headers.get("User-Agent"))
         body = state.files.get(self.path)
         if body is None:
             self.send_error(404, "Not Found")
@@ -101,6 +106,15 @@ def test_plain_download(server, tmp_path):
     assert path.read_bytes() == data
     assert not (tmp_path / "f.bin.part").exists()
     assert state.requests == [("/f.bin", None)]
+
+
+def test_requests_name_scratchlm_and_its_version(server, tmp_path):
+    """The User-Agent carries the version pyproject.toml declares, which `scratchlm.__version__` states too."""
+    base, state = server
+    state.files["/f.bin"] = b"x"
+    download_file(f"{base}/f.bin", tmp_path / "f.bin")
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert state.agents == [f"scratchlm/{declared}"] and scratchlm.__version__ == declared
 
 
 def test_interrupted_download_resumes_with_range(server, tmp_path):

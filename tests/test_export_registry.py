@@ -12,9 +12,9 @@ from interop_helpers import make_run, run_cli, scratch_model, small_tokenizer
 import scratchlm
 from scratchlm import ModelConfig
 from scratchlm.interop import LLAMA
+from scratchlm.interop.checkpoint import export_checkpoint
 from scratchlm.interop.formats import EXPORT_FORMATS, ExportFormat, ExportResult
 from scratchlm.run.load import TrainedModel
-from scratchlm.run.sharded import export_checkpoint
 
 TINY = ModelConfig(vocab_size=610, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
 TOY = ExportFormat("toy", f"{__name__}:export_toy", "a toy reader", "file", ".toy")

@@ -52,6 +52,18 @@ def test_greedy_batch_past_context_equals_recomputation(use_cache: bool) -> None
     assert len({tuple(row) for row in got}) == 3  # the rows really differ
 
 
+def test_a_budget_of_any_size_streams_past_the_context_as_recomputation() -> None:
+    """`--max-new-tokens 100000000000` is a budget like any other: the stream runs on its sliding window (in
+    constant memory: only the window is kept) with the tokens of recomputation, for as long as it is read."""
+    from itertools import islice
+
+    model = tiny_model()
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    options = SamplingOptions(max_new_tokens=10**11, temperature=0)
+    got = list(islice(generate_stream(model, prompt[0].tolist(), options=options), 3 * CONTEXT))
+    assert got == reference_generate(model, prompt, 3 * CONTEXT, temperature=0)[0]
+
+
 def test_seeded_sampling_batch_past_context_equals_recomputation() -> None:
     model = tiny_model()
     prompts = torch.randint(0, VOCAB, (4, 3), generator=torch.Generator().manual_seed(2))
@@ -279,6 +291,17 @@ def test_cli_decodes_characters_split_across_tokens(
     assert capsys.readouterr().out == "xaé日\ufffd!\n"
 
 
+def test_cli_says_when_the_budget_reaches_past_the_context(trained_files, capsys) -> None:
+    from scratchlm.cli import main
+
+    _, _, checkpoint = trained_files
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "Un", "--device", "cpu", "--precision"]
+    for budget, past in ((CONTEXT - 4, False), (CONTEXT, True)):
+        assert main([*argv, "fp32", "--temperature", "0", "--max-new-tokens", str(budget), "--no-cache"]) == 0
+        said = capsys.readouterr().err
+        assert (f"reaches past the model's context of {CONTEXT} tokens" in said) is past
+
+
 def test_cli_bad_input_is_one_line(trained_files, tmp_path, capsys: pytest.CaptureFixture) -> None:
     from scratchlm.cli import main
 
@@ -366,11 +389,12 @@ def test_cli_says_how_it_decodes_and_no_compile_keeps_it_eager(
     """`generate` names the decode step's choice when it starts; `--no-compile` never compiles, and without
     it a 10-token generation does not compile either (compiling would not pay for itself)."""
     from scratchlm.cli import main
+    from scratchlm.generation import decode
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled")
 
-    monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setattr(decode, "compile_on_cpu", refuse)  # what a CPU decode step compiles through
     _, _, checkpoint = trained_files
     argv = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "10", "--device", "cpu", *flag]
     assert main([*argv, "--precision", "fp32", "--prompt", "Un été"]) == 0

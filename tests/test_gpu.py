@@ -72,5 +72,5 @@ def test_compiled_decode_steps_replayed_as_cuda_graphs_give_the_eager_tokens():
     from scratchlm.serving.engine import Engine
 
     engine = Engine(model, None, max_batch=4, compiled=True)
-    engine.warm_up()
-    assert all(engine.decoder.is_compiled_for(rows) for rows in (1, 2, 3, 4))
+    engine.batch.warm_up()
+    assert all(engine.batch.decoder.is_compiled_for(rows) for rows in (1, 2, 3, 4))

@@ -202,13 +202,7 @@ def test_llama_cpp_tokenizes_and_generates_as_scratchlm(tmp_path, capsys, dtype)
     model, path = export(tmp_path, capsys, SMALL, dtype)
     tokenizer = small_tokenizer()
     llm = llama_cpp.Llama(str(path), n_ctx=SMALL.context_length, n_threads=1, seed=0, verbose=False)
-
-    for name in FIXTURE_TEXTS:
-        text = fixture_path(name).read_text(encoding="utf-8")
-        for sample in (text, f"{END_OF_TEXT}{text[:300]}{END_OF_TEXT} x"):
-            ids = llm.tokenize(sample.encode("utf-8"), add_bos=False, special=True)
-            assert ids == tokenizer.encode(sample), name
-            assert llm.detokenize(ids, special=True) == sample.encode("utf-8"), name
+    assert_tokenizes_as_scratchlm(llm, tokenizer)
 
     # Greedy decoding: llama.cpp with the file's weights against scratchlm with the same (rounded) weights.
     reference = model
@@ -217,13 +211,100 @@ def test_llama_cpp_tokenizes_and_generates_as_scratchlm(tmp_path, capsys, dtype)
             for parameter in reference.parameters():
                 if parameter.dim() >= 2:
                     parameter.copy_(parameter.half().float())
-    prompt = tokenizer.encode("Once upon a time, there was a little")
+    prompt = tokenizer.encode(PROMPT)
     ours = generate(reference, prompt, 32, temperature=0.0)
-    theirs = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-        theirs.append(token)
-        if len(theirs) == 32:
-            break
+    theirs = llama_greedy(llm, prompt, 32)
     assert theirs == ours and len(set(ours)) > 8  # not a constant or short loop a broken model might emit
     # The compiled decode step (`scratchlm.generation.decode`) gives the same tokens.
     assert generate(reference, prompt, 32, temperature=0.0, compile=True) == ours
+
+
+PROMPT = "Once upon a time, there was a little"
+
+
+def assert_tokenizes_as_scratchlm(llm, tokenizer) -> None:
+    """llama.cpp's tokenization of the fixture texts (special tokens included) is scratchlm's, and its
+    detokenization gives the texts back."""
+    for name in FIXTURE_TEXTS:
+        text = fixture_path(name).read_text(encoding="utf-8")
+        for sample in (text, f"{END_OF_TEXT}{text[:300]}{END_OF_TEXT} x"):
+            ids = llm.tokenize(sample.encode("utf-8"), add_bos=False, special=True)
+            assert ids == tokenizer.encode(sample), name
+            assert llm.detokenize(ids, special=True) == sample.encode("utf-8"), name
+
+
+def llama_greedy(llm, prompt: list[int], count: int) -> list[int]:
+    """llama.cpp's first `count` greedy tokens after `prompt`."""
+    theirs = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        theirs.append(token)
+        if len(theirs) == count:
+            return theirs
+    return theirs
+
+
+def test_q8_0_matrices_are_blocks_of_32_int8_weights_with_a_float16_scale(tmp_path, capsys):
+    """Every matrix whose rows are whole blocks of 32 is Q8_0, the embeddings and the head too (as llama.cpp's
+    converter writes `--outtype q8_0`); the FFN's down projection, whose rows of d_ff = 200 are not, is
+    float16; the gains float32. Each block read back is integers in [-127, 127] times one float16 scale, the
+    block's largest magnitude over 127, within half a step of the weights and the scale's float16 rounding
+    (the oracle: those definitions)."""
+    config = dataclasses.replace(SMALL, d_ff=200)
+    model, path = export(tmp_path, capsys, config, "q8_0")
+    reader = gguf.GGUFReader(path)
+    assert field(reader, "general.file_type") == 7  # MOSTLY_Q8_0
+    names, state = llama_cpp_names(2, tied=False), model.state_dict()
+    for tensor in reader.tensors:
+        ours = state[names[tensor.name]].double()
+        values = (
+            torch.from_numpy(np.array(gguf.dequantize(tensor.data, tensor.tensor_type)))
+            .reshape(ours.shape)
+            .double()
+        )
+        expected = "F32" if ours.dim() == 1 else "F16" if tensor.name.endswith("ffn_down.weight") else "Q8_0"
+        assert tensor.tensor_type.name == expected, tensor.name
+        if expected != "Q8_0":
+            continue
+        blocks, read = ours.reshape(-1, 32), values.reshape(-1, 32)
+        scale = (blocks.abs().amax(dim=1) / 127).half().double()[:, None]
+        steps = read / scale
+        assert torch.equal(steps, steps.round()) and steps.abs().max() <= 127, tensor.name
+        # Rounded with the float32 scale, read back with the float16 one: up to 127 times its rounding more.
+        assert torch.all((read - blocks).abs() <= scale * (0.5 + 127 * 2**-11)), tensor.name
+
+
+def test_q8_0_is_a_gguf_dtype_only(tmp_path, capsys):
+    make_run(tmp_path / "run", scratch_model(SMALL), small_tokenizer())
+    out = tmp_path / "model"
+    status, _, err = run_cli(
+        ["export", "--run", str(tmp_path / "run"), "--format", "hf", "--out", str(out), "--dtype", "q8_0"],
+        capsys,
+    )
+    assert_one_line_error(
+        status, err, "--format hf does not write --dtype q8_0; choose one of f32, f16, bf16"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_llama_cpp_at_q8_0_generates_as_scratchlms_int8_model(tmp_path, capsys):
+    """The Q8_0 file in llama.cpp against the same weights in scratchlm at `--quantize int8`: two 8-bit
+    roundings of the weights (per 32-weight block there, per row here; llama.cpp rounds the activations to
+    Q8_0 too), so the greedy tokens agree up to test_precision.py's bound at int8's unit, a weight's largest
+    error relative to its row's largest, 1/254."""
+    from test_precision import assert_same_greedy
+
+    from scratchlm.device import plan
+    from scratchlm.generation.layout import prepare_for_inference
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
+    model, path = export(tmp_path, capsys, SMALL, "q8_0")
+    tokenizer = small_tokenizer()
+    llm = llama_cpp.Llama(str(path), n_ctx=SMALL.context_length, n_threads=1, seed=0, verbose=False)
+    assert_tokenizes_as_scratchlm(llm, tokenizer)
+    int8 = prepare_for_inference(model, plan(torch.device("cpu"), "fp32", threads=1), quantize="int8")
+    prompt = tokenizer.encode(PROMPT)
+    theirs = llama_greedy(llm, prompt, 32)
+    assert len(set(theirs)) > 8
+    assert_same_greedy(int8, prompt, theirs, "int8")
+    assert_same_greedy(int8, prompt, generate(int8, prompt, 32, temperature=0.0, compile=True), "int8")

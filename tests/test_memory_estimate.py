@@ -12,7 +12,8 @@ import torch
 
 from scratchlm import ModelConfig, TransformerLM
 from scratchlm.cli import doctor, main
-from scratchlm.device.profile import DeviceProfile, available_ram_bytes
+from scratchlm.device.host import available_ram_bytes
+from scratchlm.device.profile import DeviceProfile
 from scratchlm.model import memory
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.memory import HEADROOM, MemoryBudget, rank_memory, suggest
@@ -68,7 +69,8 @@ def test_one_process_by_hand():
 
 def test_two_processes_by_hand():
     ddp, fsdp = estimate(world=2), estimate(parallel="fsdp", world=2)
-    assert ddp.state == 16 * TOTAL and ddp.buffers == 4 * TOTAL  # the gradient buckets: a second copy
+    # the gradients are views into DDP's buckets (gradient_as_bucket_view): no second copy of them
+    assert ddp.state == 16 * TOTAL and ddp.buffers == 0 and ddp.total == 16 * TOTAL + ddp.activations
     assert ddp.activations == 434_176 // 2  # 2 sequences a micro-batch
     assert (fsdp.parameters, fsdp.optimizer_state) == (4 * TOTAL // 2, 8 * TOTAL // 2)
     # the gathered root and one block, weights and gradients, in float32
@@ -170,7 +172,7 @@ def test_the_budget_is_the_gpus_own_memory_or_the_available_ram(tmp_path, monkey
     gpu = DeviceProfile(type="cuda", name="Mock GPU", gpu_memory_gib=24.0)
     assert doctor.memory_budget(gpu) == MemoryBudget(24 * 2**30, "GPU memory of Mock GPU", shared=False)
     assert doctor.memory_budget(dataclasses.replace(gpu, gpu_memory_gib=None)) is None
-    monkeypatch.setattr("scratchlm.device.profile.available_ram_bytes", lambda: 5 * 2**30)
+    monkeypatch.setattr("scratchlm.device.host.available_ram_bytes", lambda: 5 * 2**30)
     assert doctor.memory_budget(DeviceProfile(type="cpu", name="Mock CPU")) == MemoryBudget(
         5 * 2**30, "available RAM", shared=True
     )
@@ -195,7 +197,7 @@ def test_doctor_world_prints_the_estimates_and_suggests_a_layout(tmp_path, cpu_p
     fsdp_ckpt = estimate("fsdp", world=2, checkpointing=True)
     # RAM for the two processes of fsdp with checkpointing, and not for ddp with it
     ram = math.ceil(2 * fsdp_ckpt.total / HEADROOM)
-    monkeypatch.setattr("scratchlm.device.profile.available_ram_bytes", lambda: ram)
+    monkeypatch.setattr("scratchlm.device.host.available_ram_bytes", lambda: ram)
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)["memory"]
     rows = {(row["parallel"], row["checkpointing"]): row for row in report["estimates"]}
@@ -210,7 +212,7 @@ def test_doctor_world_prints_the_estimates_and_suggests_a_layout(tmp_path, cpu_p
     assert "Training memory at 2 process(es), fp32" in out
     assert "suggestion: 2 processes, fsdp, activation checkpointing" in out
 
-    monkeypatch.setattr("scratchlm.device.profile.available_ram_bytes", lambda: 1000)
+    monkeypatch.setattr("scratchlm.device.host.available_ram_bytes", lambda: 1000)
     assert main(table) == 0
     assert "suggestion: nothing fits, even at 4 processes" in " ".join(capsys.readouterr().out.split())
 

@@ -173,5 +173,10 @@ def test_plot_refuses_to_overwrite_a_file_that_is_not_an_image(tmp_path, capsys)
     metrics = run / "metrics.jsonl"
     metrics.write_text('{"step": 1, "time": 0.1, "tokens": 8, "train_loss": 4.0}\n')
     status, err = run_cli(capsys, "plot", str(run), "--out", str(metrics))
-    assert status == 2 and "not a PNG image" in err
+    assert status == 2 and "a plot is written as .png, .svg, .pdf" in err and "'.jsonl'" in err
     assert metrics.read_text().startswith('{"step": 1')
+    notes = run / "notes.png"  # an image's name, another file's content
+    notes.write_text("not a picture\n")
+    status, err = run_cli(capsys, "plot", str(run), "--out", str(notes))
+    assert status == 2 and "not a PNG image" in err
+    assert notes.read_text() == "not a picture\n"

@@ -3,15 +3,14 @@ and checkpoints written by earlier code still load."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import torch
+from imports import PACKAGE, imported_modules, module_file
 
 from scratchlm.run import Checkpoint, load_trained
 from scratchlm.run.checkpoint import read_checkpoint
 
-PACKAGE = Path(__file__).resolve().parent.parent / "scratchlm"
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "run-main"
 # The inference side: reading runs, generating, converting, and the commands that do only that.
 INFERENCE = [
@@ -27,31 +26,6 @@ INFERENCE = [
     "cli/import_hf.py",
     "cli/serve.py",
 ]
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, at the top or inside a function."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
-
-
-def module_file(module: str) -> Path | None:
-    """The file of a `scratchlm.*` module (a package's `__init__.py`), or None for a name that is not one
-    (an attribute imported from a module: `from scratchlm.x import name`)."""
-    parts = module.split(".")
-    if parts[0] != "scratchlm":
-        return None
-    base = PACKAGE.joinpath(*parts[1:])
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def reached(start: list[Path], forbidden: str) -> tuple[set[str], dict[Path, str]]:
@@ -102,9 +76,10 @@ def test_the_training_loop_imports_no_stage_built_on_it():
 
 
 def test_the_walk_sees_an_import_inside_a_function(tmp_path):
-    source = tmp_path / "m.py"
+    (tmp_path / "scratchlm").mkdir()
+    source = tmp_path / "scratchlm" / "m.py"
     source.write_text("def f():\n    from scratchlm.training.optim import AdamW\n")
-    assert "scratchlm.training.optim" in imported_modules(source)
+    assert "scratchlm.training.optim" in imported_modules(source, tmp_path / "scratchlm")
 
 
 def test_a_checkpoint_written_by_earlier_code_still_loads(tmp_path):

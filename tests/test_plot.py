@@ -99,3 +99,24 @@ def test_malformed_metrics_name_the_line(tmp_path: Path) -> None:
         read_metrics(tmp_path / "nowhere")
     with pytest.raises(ScratchlmError, match="labels"):
         plot_runs([run], tmp_path / "x.png", labels=["a", "b"])
+
+
+def test_the_image_format_follows_the_suffix_and_another_suffix_is_refused(tmp_path: Path, capsys) -> None:
+    """`--out a.txt` wrote a PNG named a.txt: the suffix chooses PNG, SVG or PDF (each file starts with its
+    format's signature), and any other suffix is a one-line error naming the file, with nothing written."""
+    write_run(tmp_path / "a", 1.0)
+    signatures = {"svg": b"<?xml", "pdf": b"%PDF-", "PNG": b"\x89PNG\r\n\x1a\n"}
+    for suffix, signature in signatures.items():
+        out = tmp_path / f"curves.{suffix}"
+        assert main(["plot", str(tmp_path / "a"), "--out", str(out)]) == 0
+        assert out.read_bytes().startswith(signature)
+        assert main(["plot", str(tmp_path / "a"), "--out", str(out)]) == 0  # an earlier plot is replaced
+    capsys.readouterr()
+    for name in ("a.txt", "curves"):
+        assert main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / name)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and name in error and ".png, .svg, .pdf" in error
+        assert not (tmp_path / name).exists()
+    (tmp_path / "notes.svg").write_text("my notes\n")  # not an image of its suffix's format: kept
+    assert main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / "notes.svg")]) == 2
+    assert (tmp_path / "notes.svg").read_text() == "my notes\n"

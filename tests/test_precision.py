@@ -27,6 +27,7 @@ from scratchlm.device import plan
 from scratchlm.errors import ScratchlmError
 from scratchlm.evaluation import evaluate
 from scratchlm.generation.generate import generate
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loss import cross_entropy
 from scratchlm.run.load import load_trained
@@ -36,7 +37,9 @@ from scratchlm.training.loss_scale import LossScaler
 from scratchlm.training.trainer import train
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-UNIT = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}  # unit roundoff of each format
+# Unit roundoff of each format; for weight-only int8 (`--quantize int8`, test_quantize.py) and llama.cpp's Q8_0,
+# a weight's largest error relative to the largest of its row (or block): half a step of 127.
+UNIT = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11, "int8": 1 / 254}
 ROUNDINGS = 32  # roundings of the logits' scale that two groupings of a two-layer model's sums may differ by
 CPU = torch.device("cpu")
 
@@ -44,7 +47,7 @@ CPU = torch.device("cpu")
 def inference_copy(run: Path, precision: str):
     """The run's model and tokenizer, its weights held in `precision` as every inference command holds them."""
     trained = load_trained(run)
-    plan(CPU, precision, threads=1).for_inference(trained.model)
+    prepare_for_inference(trained.model, plan(CPU, precision, threads=1))
     return trained.model, trained.tokenizer
 
 
@@ -263,11 +266,11 @@ def test_serving_at_every_precision(run_dir, precision):
     from test_serve import PROMPTS, Running, token_ids
 
     trained = load_trained(run_dir)
-    plan(CPU, precision, threads=1).for_inference(trained.model)
+    prepare_for_inference(trained.model, plan(CPU, precision, threads=1))
     server = Running(trained, "tiny")
     try:
         # The cache holds what a decode step attends in: float32 on a CPU whatever the weights' dtype.
-        assert server.engine.cache.layers[0].keys.dtype == torch.float32
+        assert server.engine.batch.cache.layers[0].keys.dtype == torch.float32
         model, tokenizer = server.model, server.tokenizer
 
         def complete(prompt: str) -> list[int]:
@@ -325,7 +328,7 @@ def test_a_run_trained_at_every_precision_exports_and_imports(tmp_path, capsys, 
     outputs = []
     for source in (run, tmp_path / "back"):
         trained = load_trained(source)
-        plan(CPU, precision, threads=1).for_inference(trained.model)
+        prepare_for_inference(trained.model, plan(CPU, precision, threads=1))
         with torch.no_grad():
             outputs.append(trained.model(ids))
     torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)

@@ -22,7 +22,6 @@ from scratchlm.chat.pipeline import CHAT_RUN, ChatResult
 from scratchlm.cli import main
 from scratchlm.data.prepare import PreparedData
 from scratchlm.quickstart import (
-    CALIBRATION_STEPS,
     RECIPES,
     SMALL,
     QuickstartResult,
@@ -35,6 +34,7 @@ from scratchlm.run import RunDirectory, load_trained
 from scratchlm.tokenizer import CHAT_TOKENS, DEFAULT_SPECIAL_TOKENS, END_OF_TEXT
 from scratchlm.tokenizer.serialization import load_tokenizer_files
 from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.training.budget import CALIBRATION_STEPS
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ from interop_helpers import assert_one_line_error, run_cli
 from serve_helpers import chat_run
 
 from scratchlm.chat.conversations import read_conversations
+from scratchlm.chat.rl.prompts import read_prompts
 from scratchlm.chat.rl.rewards import RewardError
 from scratchlm.chat.rl.rollouts import sample_replies
-from scratchlm.chat.rl.stage import load_prompts, read_prompts, rl_config
+from scratchlm.chat.rl.stage import load_prompts, rl_config
 from scratchlm.chat.template import chat_template
 from scratchlm.errors import ScratchlmError
 from scratchlm.experiments.plot import plot_runs
@@ -100,8 +101,9 @@ def test_a_word_the_model_rarely_says_is_said_in_nine_replies_of_ten(base_and_pr
     assert share_saying_the_word(root / "learnt") >= 0.9
     logged = records(root / "learnt", "reward")
     assert len(logged) == 30 and logged[-1]["reward"] > logged[0]["reward"]
-    for key in ("uniform_groups", "kl", "clip_fraction", "reply_tokens", "entropy"):
+    for key in ("uniform_groups", "clip_fraction", "reply_tokens", "entropy"):
         assert all(math_finite(r[key]) for r in logged), key
+    assert all(r.get("kl") is None for r in logged)  # no penalty: no pass of the starting model to measure it
     passes = records(root / "learnt", "val_pass1")
     assert [r["step"] for r in passes] == [10, 20, 30] and passes[-1]["val_pass1"] >= 0.9
     drawn = plot_runs([root / "learnt"], root / "reward.png", metric="reward")["learnt"]
@@ -354,12 +356,32 @@ def test_the_finished_line_gives_the_last_pass_at_1(base_and_prompts, tmp_path, 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_rl_runs_at_every_precision_and_records_it(base_and_prompts, precision):
-    """bf16 and fp16 (autocast, and fp16's loss scaling) take the same steps as fp32: finite rewards, KL and
-    losses, and the precision recorded in the run."""
+    """bf16 and fp16 (autocast, and fp16's loss scaling) take the steps fp32 takes: with a KL penalty (so the KL is
+    measured), the first step's loss and KL are fp32's within the bound below, and the precision is recorded."""
     root, base = base_and_prompts
     run = f"precision-{precision}"
-    summary = train(config_for(root, base, run, f"training.precision='{precision}'", steps=2))
+    extra = ("rl.kl_coef=0.1",)
+    summary = train(config_for(root, base, run, f"training.precision='{precision}'", *extra, steps=2))
+    if not (root / "precision-fp32").exists():
+        train(config_for(root, base, "precision-fp32", *extra, steps=2))
     assert summary.steps == 2 and np.isfinite(summary.final_train_loss)
-    logged = records(root / run, "reward")
+    logged, exact = records(root / run, "reward"), records(root / "precision-fp32", "reward")
     assert len(logged) == 2 and all(np.isfinite([r["reward"], r["kl"], r["entropy"]]).all() for r in logged)
+    # At the first step the policy is the starting model and is sampled with the same seeds. The loss is
+    # -A · ρ / max_reply_tokens summed over tokens with ρ = exp(logπ - logπ.detach()) = 1 exactly, plus β·KL
+    # with KL = 0 exactly (the reference is the same weights run the same way): it depends on the rewards and
+    # reply lengths only, which are fp32's unless rounding the logits to the precision (a relative 2^-8 for
+    # bf16) moved a sampled token across a boundary of the inverse CDF. Those happen with probability about
+    # 2^-8 per token; a changed reply moves the loss by at most |A| · 16 / 16 / 64 rows < 1/64.
+    assert logged[0]["kl"] == exact[0]["kl"] == 0.0
+    first = [records(root / name, "train_loss")[0]["train_loss"] for name in (run, "precision-fp32")]
+    assert abs(first[0] - first[1]) < 1 / 64, first
     assert Checkpoint.read(sorted((root / run / "checkpoints").iterdir())[-1]).training.precision == precision
+
+
+def test_a_base_that_does_not_exist_is_named_with_its_flag(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    status, _, err = run_cli(
+        ["rl", "--base", str(missing), "--data", str(tmp_path / "prompts.jsonl")], capsys
+    )
+    assert_one_line_error(status, err, "--base", str(missing), "not found")

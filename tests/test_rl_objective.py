@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from scratchlm.chat.rl import objective
 from scratchlm.chat.rl.objective import (
     group_advantages,
     policy_loss,
@@ -95,6 +96,30 @@ def test_log_probabilities_and_entropy_of_the_logits():
     torch.testing.assert_close(token_logprobs(logits, torch.tensor([[1]])), torch.tensor([[math.log(0.75)]]))
     entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     torch.testing.assert_close(token_entropy(logits), torch.tensor([[entropy]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_log_probabilities_in_chunks_match_log_softmax_and_its_gradient(monkeypatch, dtype):
+    """Chunks of 2 positions (a float32 copy of the logits never whole): the values and the gradient are float64
+    log_softmax's on the same (rounded) logits, to float32's precision in the values (1e-5 at logsumexps near 10),
+    and in the gradient (softmax times weights at most 1) that error through exp plus the rounding to the logits'
+    dtype it is stored in (a relative 2^-8 for bf16, 2^-11 for fp16, twice for safety)."""
+    monkeypatch.setattr(objective, "CHUNK_FLOATS", 2 * 50)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 50, generator=generator) * 4).to(dtype)
+    targets = torch.randint(0, 50, (3, 5), generator=generator)
+    weights = torch.rand(3, 5, generator=generator)
+    ours, oracle = logits.clone().requires_grad_(), logits.double().requires_grad_()
+    got = token_logprobs(ours, targets)
+    expected = torch.log_softmax(oracle, dim=-1).gather(-1, targets[..., None])[..., 0]
+    (got * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert got.dtype == torch.float32 and ours.grad.dtype == dtype
+    torch.testing.assert_close(got.double(), expected.detach(), rtol=0, atol=1e-5)
+    ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    torch.testing.assert_close(ours.grad.double(), oracle.grad, rtol=0, atol=2 * ulp + 1e-5)
+    entropy = -(torch.softmax(oracle, -1) * torch.log_softmax(oracle, -1)).sum(-1)
+    torch.testing.assert_close(token_entropy(logits).double(), entropy.detach(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -52,18 +52,12 @@ PROMPTS = [
 ]
 
 
-def in_flight(engine: Engine) -> int:
-    """Sequences in the engine's batch or waiting for it, read under its lock as the scheduler changes them."""
-    with engine._lock:
-        return len(engine._active) + len(engine._pending)
-
-
 def idle_after(engine: Engine, limit: float) -> float:
     """Seconds until the engine has no sequence left (at most `limit`, then the test fails on the count)."""
     started = time.monotonic()
-    while in_flight(engine) and time.monotonic() - started < limit:
+    while engine.in_flight() and time.monotonic() - started < limit:
         time.sleep(0.005)
-    assert in_flight(engine) == 0
+    assert engine.in_flight() == 0
     return time.monotonic() - started
 
 
@@ -158,7 +152,7 @@ def test_greedy_tokens_equal_generate_among_16_concurrent(server) -> None:
         got = list(pool.map(ask, range(16), timeout=TIMEOUT))
     for i in range(16):
         assert got[i] == server.expected(prompts[i], lengths[i], temperature=0), i
-    assert server.engine.peak_batch >= 4  # they really shared forward passes
+    assert server.engine.batch.peak_batch >= 4  # they really shared forward passes
     idle_after(server.engine, 1.0)
 
 
@@ -167,7 +161,8 @@ def test_a_compiled_engine_gives_the_tokens_of_an_eager_one(run_dir) -> None:
     different lengths join and leave the batch, and each gets the tokens `generate` gives eagerly."""
     compiled = Running(load_trained(run_dir), "tiny-run", max_batch=2, compiled=True)
     try:
-        assert compiled.engine.decoder.is_compiled_for(1) and compiled.engine.decoder.is_compiled_for(2)
+        decoder = compiled.engine.batch.decoder
+        assert decoder.is_compiled_for(1) and decoder.is_compiled_for(2)
         lengths = [12 + 3 * i for i in range(6)]
 
         def ask(i: int) -> list[int]:
@@ -179,7 +174,7 @@ def test_a_compiled_engine_gives_the_tokens_of_an_eager_one(run_dir) -> None:
         for i in range(6):
             expected = compiled.expected(PROMPTS[i % len(PROMPTS)], lengths[i], temperature=0, compile=False)
             assert got[i] == expected, i
-        assert compiled.engine.peak_batch == 2
+        assert compiled.engine.batch.peak_batch == 2
     finally:
         compiled.close()
 
@@ -461,7 +456,7 @@ def test_a_client_that_disconnects_frees_its_place_at_once(slow_server) -> None:
     response = connection.getresponse()
     assert response.status == 200
     assert response.readline().startswith(b"data: ")
-    assert in_flight(slow_server.engine) == 1
+    assert slow_server.engine.in_flight() == 1
     connection.close()
     # 60 tokens at 20 ms each would take over a second; the place is free within a few steps.
     assert idle_after(slow_server.engine, 1.0) < 0.3
@@ -475,7 +470,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_place(slow_server) ->
     connection.request("POST", "/v1/completions", json.dumps(body), {"Authorization": "Bearer sesame"})
     with pytest.raises(TimeoutError):
         connection.getresponse()
-    assert in_flight(slow_server.engine) == 1
+    assert slow_server.engine.in_flight() == 1
     connection.close()
     assert idle_after(slow_server.engine, 1.0) < 0.3
 
@@ -514,6 +509,22 @@ def test_the_command_serves_and_sigterm_stops_it_cleanly(tmp_path) -> None:
     error = json.loads(events[-2])["error"]
     assert "shutting down" in error["message"]
     assert len(events) < 1000  # it stopped early
+
+
+def test_ctrl_c_stops_the_command_saying_so_in_one_line(run_dir) -> None:
+    """SIGINT (Ctrl-C) ends `serve` with status 0 and a last line that says it stopped and why; no traceback."""
+    process, _ = serve_command(run_dir, "--device", "cpu")
+    try:
+        process.send_signal(signal.SIGINT)
+        status = process.wait(TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = process.stdout.read()
+    assert status == 0, output
+    assert "Traceback" not in output
+    assert output.strip().splitlines()[-1] == f"stopped serving {run_dir.name}: SIGINT received"
 
 
 def test_the_command_says_what_to_install_without_the_extra(run_dir, monkeypatch, capsys) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_same_state, scratchlm_command
+from interop_helpers import assert_one_line_error, run_cli
 from serve_helpers import tiny_run
 
 from scratchlm.chat.conversations import write_conversations
@@ -253,3 +254,9 @@ def test_exact_match_cuts_replies_past_the_answer_and_scores_as_uncut_replies_do
     assert budgets == [
         min(len(c[-1].content.encode()) + 1, max(0, 48 - len(template.encode(c[:-1])))) for c in conversations
     ]
+
+
+def test_a_base_that_does_not_exist_is_named_with_its_flag(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    status, _, err = run_cli(["sft", "--base", str(missing), "--data", str(tmp_path / "data.jsonl")], capsys)
+    assert_one_line_error(status, err, "--base", str(missing), "not found")

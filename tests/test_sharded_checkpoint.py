@@ -29,6 +29,7 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run import Checkpoint, RunDirectory, TrainingState, load_trained, sharded
+from scratchlm.run.load import load_checkpoint, read_any
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.distributed import Distributed
 from scratchlm.training.optimizers import OptimizerConfig, build_optimizer
@@ -183,12 +184,12 @@ def save_then_load(rank: int, world: int, tmp: Path) -> None:
         torch.save({"state": saved, "logits": logits}, tmp / "saved-by-2.pt")
     for source, reference in ((path, saved), (tmp / "one" / "step_00000003", None)):
         fresh, fresh_optimizer = build(world)
-        sharded.load_sharded(source, fresh, fresh_optimizer)
+        load_checkpoint(source, fresh, fresh_optimizer)
         if reference is None:
             reference = torch.load(tmp / "saved-by-1.pt", weights_only=True)["state"]
         assert_identical(full_state(fresh, fresh_optimizer), reference, str(source))
     fresh, fresh_optimizer = build(world)  # a single file (a DDP run's) into a sharded model
-    sharded.load_whole(Checkpoint.read(tmp / "one.pt"), fresh, fresh_optimizer)
+    load_checkpoint(tmp / "one.pt", fresh, fresh_optimizer)
     assert_identical(full_state(fresh, fresh_optimizer), torch.load(tmp / "saved-by-1.pt")["state"], "one.pt")
 
 
@@ -198,7 +199,7 @@ def load_at_four(rank: int, world: int, tmp: Path) -> None:
         ("one/step_00000003", "saved-by-1.pt"),
     ):
         model, optimizer = build(world)
-        sharded.load_sharded(tmp / source, model, optimizer)
+        load_checkpoint(tmp / source, model, optimizer)
         assert_identical(
             full_state(model, optimizer), torch.load(tmp / oracle, weights_only=True)["state"], source
         )
@@ -259,7 +260,7 @@ def test_a_checkpoint_of_two_processes_loads_at_one_two_and_four(saved):
     ]
     reference = torch.load(saved / "saved-by-2.pt", weights_only=True)["state"]
     model, optimizer = build(1)  # 2 -> 1: a whole model, no process group
-    sharded.load_sharded(path, model, optimizer)
+    load_checkpoint(path, model, optimizer)
     assert_identical(full_state(model, optimizer), reference)
     check_processes(4, "load_at_four", saved)  # 2 -> 4 and 1 -> 4
 
@@ -276,11 +277,10 @@ def test_every_command_reads_a_sharded_checkpoint_consolidated(saved, tmp_path, 
     out = tmp_path / "single.pt"
     assert main(["export", "--run", str(saved / "run"), "--format", "checkpoint", "--out", str(out)]) == 0
     assert f"wrote {out}" in " ".join(capsys.readouterr().err.split())
-    single = Checkpoint.read(
-        out
-    )  # today's format: the optimizer by position, as optimizer.state_dict() has it
+    # Today's format: the optimizer by position, as optimizer.state_dict() has it.
+    single = Checkpoint.read(out)
     model, optimizer = build(1)
-    single.load_into(model, optimizer)
+    load_checkpoint(single, model, optimizer)
     assert_identical(full_state(model, optimizer), oracle["state"])
     assert single.step == STEPS and single.training.world_size == 2
     assert single.training.config == config(saved).to_dict()
@@ -296,7 +296,7 @@ def test_a_missing_shard_is_refused_by_name_and_resume_falls_back(saved, tmp_pat
     (newer / "__1_0.distcp").unlink()
 
     with pytest.raises(ScratchlmError) as refused:
-        Checkpoint.read(newer)
+        read_any(newer)
     message = str(refused.value)
     assert "\n" not in message and str(newer) in message and "__1_0.distcp is missing" in message
     assert main(["generate", "--checkpoint", str(newer), "--prompt", "a"]) != 0
@@ -350,9 +350,29 @@ def test_a_sharded_run_of_one_process_resumes_exactly_and_keeps_its_newest(tmp_p
     train(small_config(tmp_path, "sharded", training={"parallel": "fsdp"}), resume=True)
     assert run.checkpoints() == [run.checkpoint(8, True), run.checkpoint(12, True)]  # keep = 2
     whole = Checkpoint.read(tmp_path / "straight" / "checkpoints" / "step_00000012.pt")
-    resumed = Checkpoint.read(run.checkpoint(12, True))
+    resumed = read_any(run.checkpoint(12, True))
     assert_identical(resumed.model, whole.model)
     assert_identical(resumed.optimizer, whole.optimizer)
+
+
+def test_one_way_loads_a_sharded_checkpoint_with_or_without_the_optimizer(tmp_path):
+    """`load_checkpoint` reads a sharded checkpoint (written by one process, no process group) into a fresh
+    model, alone or with its optimizer, to the state that was saved, bit for bit; `read_any` gives the same
+    model consolidated, and, not whole, the entries beside it with the shards left where they are."""
+    model, optimizer = build(1)
+    train_steps(model, optimizer, 1, 0)
+    path = tmp_path / "step_00000003"
+    sharded.save_sharded(checkpoint_fields(tmp_path, STEPS, 1), model, optimizer, path)
+    saved = full_state(model, optimizer)
+    alone, _ = build(1)
+    assert load_checkpoint(path, alone) == STEPS
+    assert_identical(alone.state_dict(), saved["model"])
+    fresh, fresh_optimizer = build(1)
+    assert load_checkpoint(path, fresh, fresh_optimizer) == STEPS
+    assert_identical(full_state(fresh, fresh_optimizer), saved)
+    assert_identical(read_any(path).model, saved["model"])
+    state = read_any(path, whole=False)
+    assert state.model == {} and state.shards == path and state.step == STEPS
 
 
 def test_a_resume_says_when_the_processes_or_the_parallelism_change(tmp_path):
@@ -402,7 +422,7 @@ def test_a_run_of_two_processes_resumes_with_one_from_its_sharded_checkpoint(tmp
     train(small_config(tmp_path, "run", training={"parallel": "fsdp"}), resume=True)
     printed = " ".join(capsys.readouterr().err.split())
     assert "saved by 2 processes under parallel = 'fsdp'; resuming with 1 process" in printed
-    resumed = Checkpoint.read(run.checkpoint(12, True))
+    resumed = read_any(run.checkpoint(12, True))
     whole = Checkpoint.read(tmp_path / "straight" / "checkpoints" / "step_00000012.pt")
     assert resumed.training.world_size == 1
     for name, tensor in whole.model.items():

@@ -11,7 +11,8 @@ from scratchlm.data.prepare import PreparedData
 from scratchlm.device import planning
 from scratchlm.device.profile import DeviceProfile
 from scratchlm.model.accounting import train_step_flops
-from scratchlm.quickstart import FAST_SHAPES, FULL, RunDirectory, choose_fast_shape, train_config
+from scratchlm.quickstart import FAST_SHAPES, FULL, choose_fast_shape, train_config
+from scratchlm.run import RunDirectory
 from scratchlm.training.sizing import STEP_EFFICIENCY, Shape, budget_steps, choose_shape
 
 DATA = PreparedData(Path("tok"), Path("train.npy"), Path("valid.npy"))

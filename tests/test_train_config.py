@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.training.config import TrainConfig, config_differences, parse_override
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.config_reader import parse_override
+from scratchlm.training.start import config_differences
 from tests.helpers import PROJECT_ROOT
 
 REQUIRED = ["data.train=t.npy", "data.valid=v.npy", "training.max_steps=10"]
@@ -50,7 +52,7 @@ def test_resolved_toml_reads_back_to_the_same_config():
 
 def test_a_config_holds_one_stage_and_a_record_of_another_is_no_change():
     import scratchlm.chat.sft  # noqa: F401  (registers [sft])
-    from scratchlm.training.config import config_changes
+    from scratchlm.training.start import config_changes
 
     with pytest.raises(ScratchlmError, match=r"\[data\] and \[sft\] are different stages' sections"):
         TrainConfig.from_dict({"data": {"train": "a", "valid": "b"}, "sft": {}, "training": {"max_steps": 1}})
@@ -174,6 +176,18 @@ def test_cli_reports_a_bad_data_file_in_one_line(tmp_path):
     assert len(lines) == 1 and "t.npy has id 300 at position 2" in lines[0]
 
 
+def test_two_spellings_of_one_path_are_no_difference(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recorded = {"data": {"train": "t.npy", "valid": "v.npy", "tokenizer": "tok"}}
+    same = {"data": {"train": str(tmp_path / "t.npy"), "valid": "./v.npy", "tokenizer": "tok/"}}
+    assert config_differences(recorded, same, changeable=()) == []
+    other = {"data": {"train": str(tmp_path / "u.npy"), "valid": "v.npy", "tokenizer": ""}}
+    assert config_differences(recorded, other, changeable=()) == [
+        ("data.train", "t.npy", str(tmp_path / "u.npy")),
+        ("data.tokenizer", "tok", ""),
+    ]
+
+
 def test_config_differences_by_section_and_with_keys_that_may_change():
     data = {"train": "t.npy", "valid": "v.npy"}
     base = {"data": data, "training": {"max_steps": 10}}
@@ -189,3 +203,14 @@ def test_config_differences_by_section_and_with_keys_that_may_change():
     ]  # fmt: skip
     # a recorded key the record lacks counts as its default: the spec's lr is not a change from itself
     assert config_differences(base, TrainConfig.from_dict(base), changeable=()) == []
+
+
+def test_reading_a_config_imports_no_parallelism():
+    """The config names the kinds of parallelism (scratchlm.parallelisms) without importing them: reading one
+    loads neither scratchlm.parallel nor FSDP, and pretraining's section is known all the same."""
+    code = (
+        "import sys; from scratchlm.training.config import TrainConfig; "
+        "print(TrainConfig().stage_name, sorted({'scratchlm.parallel', 'torch.distributed.fsdp'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["data", "[]"]

@@ -171,6 +171,26 @@ def test_resume_continues_bit_for_bit(tmp_path):
     assert resumed[-1]["time"] > resumed[5]["time"]  # the clock continues across the resume
 
 
+def test_a_resume_naming_the_same_files_the_other_way_is_not_a_config_change(tmp_path, monkeypatch):
+    """The run directory and the token files spelled relative at the start and absolute on resume are the
+    same run; a key that truly changed is still refused."""
+    monkeypatch.chdir(tmp_path)
+    relative = small_config(tmp_path).replace(
+        data={"train": "train.npy", "valid": "./valid.npy"},
+        logging={"run_dir": "run"},
+        training={"max_steps": 4},
+    )
+    train(relative)
+    absolute = relative.replace(
+        data={"train": str(tmp_path / "train.npy"), "valid": str(tmp_path / "valid.npy")},
+        logging={"run_dir": str(tmp_path / "run")},
+        training={"max_steps": 6},
+    )
+    assert train(absolute, resume=True).steps == 6
+    with pytest.raises(ScratchlmError, match=r"the config differs .*optimizer\.lr: 0\.01 -> 0\.005"):
+        train(absolute.replace(optimizer={"lr": 5e-3}, training={"max_steps": 8}), resume=True)
+
+
 def test_a_checkpoint_without_training_state_is_not_resumed(tmp_path):
     """Weights and an optimizer alone (what `save_checkpoint` writes) do not say where the data sampling and
     the RNGs were: such a checkpoint starts a new run (`training.init_from`) instead."""

@@ -15,7 +15,8 @@ from scratchlm.cli import main
 from scratchlm.errors import Interrupted, ScratchlmError
 from scratchlm.run import StopReason
 from scratchlm.training import schedule, trainer
-from scratchlm.training.config import TrainConfig, config_changes
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.start import config_changes
 from scratchlm.training.trainer import train
 
 

@@ -36,6 +36,7 @@ from scratchlm.chat.tasks import build_tasks, exact_match, fresh_conversations, 
 from scratchlm.chat.template import ChatTemplate, Message, chat_template, with_chat_tokens
 from scratchlm.console import console
 from scratchlm.device import plan
+from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.io import atomic_write
 from scratchlm.model.loss import IGNORE, cross_entropy
 from scratchlm.model.transformer import TransformerLM
@@ -196,7 +197,7 @@ def as_chat_model(source: Path, device: str) -> tuple[TransformerLM, ChatTemplat
             grown = TransformerLM(config, device=device)
             grown.load_state_dict(grow_vocabulary(model.state_dict(), tokenizer.vocab_size))
             model = grown.eval()
-    plan(torch.device(device), trained.precision or "auto").for_inference(model)
+    prepare_for_inference(model, plan(torch.device(device), trained.precision or "auto"))
     return model, template
 
 

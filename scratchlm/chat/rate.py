@@ -33,7 +33,8 @@ from scratchlm.errors import DivergedError
 from scratchlm.io import atomic_write, claim_output_dir
 from scratchlm.run.directory import RUN_KIND, RunDirectory
 from scratchlm.run.summary import StopReason
-from scratchlm.training.config import TrainConfig, read_toml
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.config_reader import read_toml
 from scratchlm.training.trainer import train
 
 SWEEP_DIR = "lr-sweep"  # the short runs' directory, in the run's

@@ -32,7 +32,8 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.config import TrainConfig, given_keys, read_toml
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.config_reader import given_keys, read_toml
 from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
 
 # What fine-tuning changes from pretraining's defaults: no weight decay (a short run should move the base
@@ -158,6 +159,10 @@ def at_rate(optimizer: dict[str, Any], lr: float, given: set[str] = frozenset())
 def _base(base: str) -> tuple[ModelConfig, Tokenizer, list[str], dict[str, Any]]:
     """The base's model config, its tokenizer with the chat template, the special tokens added to it, and its
     training's `[optimizer]` ({} when it has none: an imported model)."""
+    if not Path(base).exists():  # named as the command's flag and the config's key, which both set it
+        raise ScratchlmError(
+            f"--base (sft.base) {base}: not found: expected a run directory or a checkpoint file"
+        )
     trained = load_trained(base, "cpu")
     if trained.tokenizer is None:
         raise ScratchlmError(

@@ -5,7 +5,8 @@ It prints the device (the CPU's model and the flags that matter, or the GPU's na
 capability), the cores this process may use and how many other processes keep busy, the measured matmul
 rates (fp32 and bf16, and fp16 on a GPU) and memory bandwidth, when and how they were measured (`--refresh`
 measures them again), whether torch.compile works here, and the precision, thread and compile choices
-`scratchlm train` makes with that config, each with its reason (`scratchlm.device.choices`). `--json` prints
+`scratchlm train` makes with that config, each with its reason (`scratchlm.device.choices`), and what the
+inference commands' `--quantize int8` would do here (`scratchlm.generation.quantize`). `--json` prints
 the same as one JSON object, for scripts. What takes seconds (measuring the device, compiling a test
 function) is announced on stderr before it starts.
 
@@ -73,15 +74,11 @@ def run(args: argparse.Namespace) -> None:
 
     from scratchlm.console import console
     from scratchlm.device import plan, resolve_device
+    from scratchlm.device.compiler import compile_works
     from scratchlm.device.decode_timings import device_timings
-    from scratchlm.device.profile import (
-        affinity_cpus,
-        busy_cores,
-        cgroup_cpu_limit,
-        compile_works,
-        measurement_note,
-        usable_cores,
-    )
+    from scratchlm.device.host import affinity_cpus, busy_cores, cgroup_cpu_limit, usable_cores
+    from scratchlm.device.profile import measurement_note
+    from scratchlm.generation.quantize import describe as describe_quantize
 
     device = resolve_device(t.device, option="training.device")
     peak_tflops = config.logging.peak_tflops if config is not None else 0.0
@@ -105,6 +102,9 @@ def run(args: argparse.Namespace) -> None:
         },
         "compile_works": {"value": compile_ok, "reason": compile_note},
         "decode_timings": {shape: asdict(t) for shape, t in device_timings(device).items()},
+        # What `--quantize int8` of the inference commands does here (off unless asked for).
+        "quantize": "off by default; with --quantize int8 (generate, chat, serve, eval): "
+        + describe_quantize("int8", choices.dtype, device),
     }
     if args.world is not None:
         report["memory"] = memory_report(config, args.world, choices.precision.value, memory_budget(profile))
@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> None:
     table.add_row(
         "decode step", f"{'compiled' if choices.decode.value else 'eager'} ({choices.decode.reason})"
     )
+    table.add_row("--quantize", report["quantize"])
     for shape, timings in device_timings(device).items():
         table.add_row("", f"measured {shape}: {timings.describe()}")
     peak = choices.peak_flops.value
@@ -172,7 +173,7 @@ def register_stages(path: str) -> None:
     from pathlib import Path
 
     from scratchlm.errors import ScratchlmError
-    from scratchlm.training.config import read_toml
+    from scratchlm.training.config_reader import read_toml
 
     try:
         sections = read_toml(Path(path))
@@ -186,7 +187,7 @@ def register_stages(path: str) -> None:
 def memory_budget(profile: DeviceProfile) -> MemoryBudget | None:
     """The memory a process trains in: a GPU's own (one GPU per process), or the RAM available now, which the
     processes of one machine share; None for a GPU whose size the profile does not give."""
-    from scratchlm.device.profile import available_ram_bytes
+    from scratchlm.device.host import available_ram_bytes
     from scratchlm.model.memory import MemoryBudget
 
     if profile.type == "cuda":
@@ -261,8 +262,8 @@ def print_memory(out: Console, memory: dict[str, Any]) -> None:
         table.add_row(*cells, *([] if budget is None else ["yes" if row["fits"] else "no"]))
     out.print(table)
     out.print(
-        "buffers: DDP's gradient buckets, or FSDP's gathered weights and unsharded gradients; activations: "
-        "one micro-batch (an upper estimate, see docs/distributed.md)"
+        "buffers: FSDP's gathered weights and unsharded gradients (DDP's buckets are its gradients); "
+        "activations: one micro-batch (an upper estimate, see docs/distributed.md)"
     )
     if budget is None:
         out.print("the device profile gives no memory size: nothing to compare the estimates with")

@@ -120,7 +120,11 @@ def run_tasks(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ScratchlmError(str(e)) from None
     print(results_table(results))
-    results["scratchlm"] = {"checkpoint": str(trained.checkpoint), "precision": plan.precision.value}
+    results["scratchlm"] = {
+        "checkpoint": str(trained.checkpoint),
+        "precision": plan.precision.value,
+        "quantize": args.quantize,
+    }
     out_dir = Path(args.run) if args.run else trained.checkpoint.parent
     out = out_dir / "lm_eval" / f"results_{time.strftime('%Y-%m-%dT%H-%M-%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     outputs = [f"{f.suffix} {f.output}" if f.suffix else f"{f.output} ({f.name})" for f in formats]
     parser.add_argument("--out", required=True, metavar="PATH", help=f"the {' or '.join(outputs)} to write")
     parser.add_argument(
-        "--dtype", choices=("f32", "f16", "bf16"), default="f32", help="weights' precision (default f32)"
+        "--dtype",
+        choices=("f32", "f16", "bf16", "q8_0"),
+        default="f32",
+        help="weights' precision (default f32); q8_0: llama.cpp's int8 in blocks of 32 (gguf only)",
     )
 
 

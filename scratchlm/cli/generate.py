@@ -60,6 +60,14 @@ def run(args: argparse.Namespace) -> None:
                 f"give a --prompt: the tokenizer has no {END_OF_TEXT} to start a document with"
             )
         prompt_ids = [eos_id]  # an empty prompt starts a fresh document, as after a document boundary
+    context = model.config.context_length
+    if len(prompt_ids) + options.max_new_tokens > context:
+        console.print(
+            f"--max-new-tokens {options.max_new_tokens} reaches past the model's context of {context} tokens: "
+            f"from there each token is predicted from the last {context} alone, recomputed at every step "
+            "(slower; Ctrl-C stops)",
+            style="dim",
+        )
     generator = options.generator(device)
     for sample in range(args.num_samples):
         if args.num_samples > 1:

@@ -1,6 +1,6 @@
 """Options shared by several commands, defined once so that a flag means the same on every command (the table
-of them is docs/cli.md): `--out`, `--minutes`, `--device`, `--precision`, the trained model to load (`--run`
-or `--checkpoint`: `eval`, `generate`, `chat`, `serve`, `export`), how text is sampled (`generate`, `chat`),
+of them is docs/cli.md): `--out`, `--minutes`, `--device`, `--precision`, `--quantize`, the trained model to
+load (`--run` or `--checkpoint`: `eval`, `generate`, `chat`, `serve`, `export`), how text is sampled (`generate`, `chat`),
 and the config with its repeatable `--set` for the commands that take a training config (`train`, `sft`,
 `sweep`, `doctor`). On `train` and `sft`, `--out`, `--minutes`, `--device` and `--precision` set config keys
 (`scratchlm.cli.train.config_flags`: the commands that train), and a mistake in one is named by its flag."""
@@ -72,11 +72,28 @@ def add_precision_argument(parser: argparse.ArgumentParser, inference: bool = Tr
     )
 
 
+def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
+    """`--quantize SCHEME`: the model's matrices held in SCHEME for inference (`scratchlm.generation.quantize`;
+    its names are repeated here so that `--help` imports no torch, and a test keeps the two equal)."""
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_SCHEMES,
+        default=None,
+        help="int8: the blocks' matrices and the LM head held as int8, one scale per output channel (a "
+        "quarter of fp32's bytes read per token); embeddings, norms and KV caches stay in --precision "
+        "(default: off)",
+    )
+
+
+QUANTIZE_SCHEMES = ("int8",)  # scratchlm.generation.quantize.QUANTIZE_SCHEMES
+
+
 def add_model_source_arguments(
     parser: argparse.ArgumentParser, tokenizer: bool = False, precision: bool = True
 ) -> None:
     """`--run DIR` or `--checkpoint FILE` (exactly one) and `--device`; `--tokenizer DIR` for the commands
-    that turn text into ids and back (`tokenizer`); `--precision` for those that run the model."""
+    that turn text into ids and back (`tokenizer`); `--precision`, `--no-compile` and `--quantize` for those
+    that run the model."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="training run directory (its latest checkpoint)")
     source.add_argument("--checkpoint", metavar="FILE", help="checkpoint file (.pt)")
@@ -95,6 +112,7 @@ def add_model_source_arguments(
             help="decode eagerly: never compile the one-token decode step (by default it is compiled where "
             "it measures faster and the tokens to generate pay for compiling it)",
         )
+        add_quantize_argument(parser)
 
 
 def inference_plan(args: argparse.Namespace, device: torch.device) -> Plan:
@@ -114,10 +132,26 @@ def load_for_inference(
     args: argparse.Namespace, require_tokenizer: bool = False
 ) -> tuple[TrainedModel, Plan]:
     """The model `--run` or `--checkpoint` names (`load_model_source`) with its plan, its weights held in the
-    plan's precision (`Plan.for_inference`)."""
+    plan's precision, or its matrices in `--quantize`'s scheme (`prepare_for_inference`); the quantization
+    is announced, with the bytes of the matrices before and after."""
+    from scratchlm.console import console
+    from scratchlm.generation.layout import prepare_for_inference
+    from scratchlm.generation.quantize import describe, weight_bytes
+
     trained = load_model_source(args, require_tokenizer)
-    choices = inference_plan(args, next(trained.model.parameters()).device)
-    choices.for_inference(trained.model)
+    device = next(trained.model.parameters()).device
+    choices = inference_plan(args, device)
+    quantize = getattr(args, "quantize", None)
+    before = weight_bytes(trained.model, held_in=choices.dtype)
+    prepare_for_inference(trained.model, choices, quantize=quantize)
+    if quantize is not None:
+        after = weight_bytes(trained.model)
+        console.print(
+            f"weights: {describe(quantize, choices.dtype, device)}; {after / 2**20:,.1f} MiB of matrices "
+            f"instead of {before / 2**20:,.1f} MiB in {choices.precision.value}",
+            style="dim",
+            markup=False,
+        )
     return trained, choices
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "Plot validation and train loss against steps and wall-clock time for one or more runs (PNG)."
+HELP = (
+    "Plot validation and train loss against steps and wall-clock time for one or more runs (PNG, SVG or PDF)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "runs", nargs="+", metavar="RUN_DIR", help="training run directories (with metrics.jsonl)"
     )
-    parser.add_argument("--out", required=True, metavar="PNG", help="output image, e.g. curves.png")
+    parser.add_argument(
+        "--out", required=True, metavar="IMAGE", help="output image: .png, .svg or .pdf, e.g. curves.png"
+    )
     parser.add_argument(
         "--labels", help="comma-separated legend labels, one per run (default: directory names)"
     )

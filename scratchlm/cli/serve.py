@@ -9,6 +9,7 @@ Concurrent requests share the model's forward passes (see `scratchlm.serving`). 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from scratchlm.cli.options import add_model_source_arguments, load_for_inference
@@ -73,12 +74,12 @@ def run(args: argparse.Namespace) -> None:
         )
         console.print(f"decode step: {choices.decode.reason}", style="dim")
         if choices.decode.value:
-            buckets = ", ".join(map(str, engine.buckets()))
+            buckets = ", ".join(map(str, engine.batch.buckets()))
             console.print(
                 f"compiling the decode step for batches of {buckets} before serving (seconds each, less once "
                 "Inductor's cache holds them; --no-compile skips it)"
             )
-        engine.warm_up(lambda line: console.print(line, style="dim"))
+        engine.batch.warm_up(lambda line: console.print(line, style="dim"))
         server = build_server(engine, tokenizer, name, args.host, port, args.api_key)
         engine.start()
         try:
@@ -89,9 +90,15 @@ def run(args: argparse.Namespace) -> None:
             chat = " and chat completions" if tokenizer.chat_template is not None else ""
             console.print(f"  API:  {url}/v1  (OpenAI completions{chat}; model name '{name}')")
             console.print("Ctrl-C to stop", style="dim")
-            server.run(sockets=[sock])
+            try:
+                server.run(sockets=[sock])
+            except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down
+                if server.stopped_by != "SIGINT":
+                    raise
         finally:
             engine.stop()
+        if server.stopped_by is not None:
+            print(f"stopped serving {name}: {server.stopped_by} received", file=sys.stderr)
 
 
 def model_name(run: str | None, checkpoint: Path) -> str:

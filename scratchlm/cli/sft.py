@@ -85,7 +85,7 @@ def check_required(args: argparse.Namespace, flags: dict, required: dict[str, tu
     """Name a missing `required` flag (flag -> its key, what it is) as the flag, before the config's checks
     would name its key."""
     from scratchlm.errors import ScratchlmError
-    from scratchlm.training.config import given_keys
+    from scratchlm.training.config_reader import given_keys
 
     given = given_keys(args.config, args.overrides)
     for flag, (key, what) in required.items():

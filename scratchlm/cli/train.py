@@ -81,8 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from scratchlm.errors import ScratchlmError
     from scratchlm.training.config import TrainConfig
+    from scratchlm.training.config_reader import given_keys
 
+    # Neither a config nor the token files by --set: the first error would be a missing data.train, which
+    # does not say that a config is what is missing.
+    if args.config is None and not {"data.train", "data.valid"} & given_keys(None, args.overrides):
+        raise ScratchlmError(
+            "scratchlm train needs --config FILE, a TOML training config: e.g. --config configs/tiny.toml "
+            "(configs/ holds examples), or at least --set data.train=TOKENS.npy --set data.valid=TOKENS.npy"
+        )
     flags = config_flags(args, {"--init-from": ("training.init_from", args.init_from)})
     if args.config is not None:
         _check_pretraining(Path(args.config))
@@ -96,7 +105,8 @@ def _check_pretraining(path: Path) -> None:
     """A config whose stage is another command's (`[sft]`: fine-tuning) is refused with that command."""
     from scratchlm.cli import COMMANDS
     from scratchlm.errors import ScratchlmError
-    from scratchlm.training.config import SECTIONS, read_toml
+    from scratchlm.training.config import SECTIONS
+    from scratchlm.training.config_reader import read_toml
 
     for section in read_toml(path):
         if section in COMMANDS and section not in SECTIONS:

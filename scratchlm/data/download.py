@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 import zlib
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -39,7 +40,6 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from scratchlm import __version__
 from scratchlm.console import console, progress
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
@@ -129,7 +129,8 @@ class _Interrupted(Exception):
 
 def _fetch_into(url: str, part: Path, timeout: float) -> None:
     offset = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": f"scratchlm/{__version__}"})
+    # The installed distribution's version (pyproject.toml), read here rather than from the package's face.
+    request = urllib.request.Request(url, headers={"User-Agent": f"scratchlm/{version('scratchlm')}"})
     if offset:
         request.add_header("Range", f"bytes={offset}-")
     try:

@@ -1,7 +1,7 @@
 """What scratchlm does on a device: the precision, thread count, compilation and loss path it chooses, and why.
 
 Precision. `"auto"` (the default of every config) resolves to bf16 where the device multiplies bf16 at least
-`LOW_PRECISION_GAIN` times faster than fp32 by measurement (`scratchlm.device.profile`): CUDA GPUs with native
+`LOW_PRECISION_GAIN` times faster than fp32 by measurement (`scratchlm.device.rates`): CUDA GPUs with native
 bf16 (compute capability 8.0 and later) and CPUs with AVX-512-BF16 or AMX. On a CUDA GPU without fast bf16 (the
 T4, the V100: compute capability 7.x) it resolves to fp16 where fp16 measures that much faster than fp32; fp16
 training then scales its loss (`scratchlm.training.loss_scale`), since fp16 gradients underflow. Everywhere else
@@ -34,15 +34,9 @@ from typing import Any
 
 import torch
 
-from scratchlm.device.profile import (
-    DeviceProfile,
-    affinity_cpus,
-    busy_cores,
-    compiler_found,
-    cpu_times,
-    others_busy,
-    usable_cores,
-)
+from scratchlm.device.compiler import compiler_found
+from scratchlm.device.host import affinity_cpus, busy_cores, cpu_times, others_busy, usable_cores
+from scratchlm.device.profile import DeviceProfile
 from scratchlm.errors import ScratchlmError
 from scratchlm.precisions import PRECISIONS
 
@@ -213,7 +207,7 @@ MATVEC_GAIN = 1.2  # how much faster than the default way another must measure b
 
 
 def choose_matvec(profile: DeviceProfile, precision: str) -> Choice:
-    """How inference runs a token times a weight matrix (`profile.MATVEC_WAYS`): the way that measured fastest
+    """How inference runs a token times a weight matrix (`rates.MATVEC_WAYS`): the way that measured fastest
     at `precision`, if at least `MATVEC_GAIN` times faster than "rows" (the parameters' layout, the default
     kernels). On an AVX-512-BF16 EPYC: fp32 12 GB/s by rows, 22 by columns (the BLAS's kernel for the
     transposed product is the slow one); bf16 15 GB/s with oneDNN, 29 with PyTorch's own kernel, which

@@ -15,10 +15,11 @@ code that runs the model needs to know:
                    one-token steps without oneDNN): whichever way measured fastest here
     decode         whether inference may compile its one-token decode steps (`scratchlm.generation.decode`),
                    which it then does per model shape where they measured faster and pay for compiling
-    for_inference  a model with its weights held in `dtype`, in eval mode, its stackable matrices stacked
 
-The plan holds facts and choices only; what applies them to a model (`for_inference`'s layout, the
-parallelism of training) is `scratchlm.parallel`, the layer above both the device and the model.
+The plan holds facts and choices only, and this package imports nothing from the model or above it. What
+applies them to a model sits above both: inference's layout (weights held in `dtype`, in eval mode, stacks
+fused, `matvec`'s way) is `scratchlm.generation.layout.prepare_for_inference(model, plan)`, and training's
+parallelism is `scratchlm.parallel`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from scratchlm.device.choices import (
     Choice,
@@ -40,7 +40,8 @@ from scratchlm.device.choices import (
     choose_threads,
     resolve_precision,
 )
-from scratchlm.device.profile import DTYPES, DeviceProfile, device_profile
+from scratchlm.device.profile import DeviceProfile, device_profile
+from scratchlm.device.rates import DTYPES
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,6 @@ class Plan:
         """Low-precision matmuls over float32 weights (training), or nothing for fp32."""
         device_type = torch.device(self.device).type
         return torch.autocast(device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
-
-    def for_inference(self, model: nn.Module) -> nn.Module:
-        """`model` laid out for inference as this plan says, in place; returned for chaining
-        (`scratchlm.parallel.inference.prepare_for_inference`: weights in `dtype`, stacks fused, `matvec`'s
-        way applied)."""
-        from scratchlm.parallel.inference import prepare_for_inference  # the layer above the device's facts
-
-        return prepare_for_inference(model, self)
 
     def summary(self) -> str:
         """The one line a command prints when it starts."""

@@ -1,4 +1,4 @@
-"""Loss curves of one or more training runs, read from each run's `metrics.jsonl`, drawn as one PNG; or, for
+"""Loss curves of one or more training runs, read from each run's `metrics.jsonl`, drawn as one image (PNG, SVG or PDF); or, for
 reinforcement learning runs (`metric="reward"`), their reward curves.
 
 Two panels share the loss axis: loss against gradient steps (compares sample efficiency) and against training
@@ -52,10 +52,27 @@ def loss_curves(records: list[Record], metric: str = "loss") -> dict[str, dict[s
     return curves
 
 
-def _is_png(path: Path) -> bool:
-    """Whether `path` is a PNG image (an earlier plot, which may be replaced) rather than other data."""
+# The image formats a plot is written in, named by the output's suffix, each with the bytes its files begin with
+# (how an earlier plot, which may be replaced, is told from other data).
+IMAGE_FORMATS = {".png": b"\x89PNG\r\n\x1a\n", ".svg": b"<?xml", ".pdf": b"%PDF-"}
+
+
+def image_format(out: str | Path) -> str:
+    """The format `out`'s suffix names ("png", "svg" or "pdf"); a one-line error for any other suffix, which
+    would otherwise hold an image its name does not say (a PNG named `curves.txt`)."""
+    suffix = Path(out).suffix.lower()
+    if suffix not in IMAGE_FORMATS:
+        raise ScratchlmError(
+            f"{out}: a plot is written as {', '.join(IMAGE_FORMATS)}, chosen by the file's suffix; "
+            f"got {f'{suffix!r}' if suffix else 'no suffix'}"
+        )
+    return suffix[1:]
+
+
+def _is_image(path: Path) -> bool:
+    """Whether `path` is an image of its suffix's format (an earlier plot) rather than other data."""
     with open(path, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+        return f.read(16).startswith(IMAGE_FORMATS[path.suffix.lower()])
 
 
 def plot_runs(
@@ -67,13 +84,14 @@ def plot_runs(
     dpi: int = 100,
     metric: str = "loss",
 ) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """Draw the runs' loss curves (or, `metric="reward"`, reward curves) into the PNG `out` (`size` inches ×
+    """Draw the runs' loss curves (or, `metric="reward"`, reward curves) into the image `out` (PNG, SVG or PDF by its suffix; `size` inches ×
     `dpi` pixels per inch).
 
     Returns what was drawn, read back from the figure's lines: `{label: {"train"|"val": {"step": [...],
     "minutes": [...], "loss" (or "reward"): [...]}}}` (only the curves a run has, only finite points).
     """
-    check_output_file(out, previous=_is_png, what="a PNG image")  # e.g. a run's metrics.jsonl, mistyped
+    kind = image_format(out)
+    check_output_file(out, previous=_is_image, what=f"a {kind.upper()} image")  # a metrics.jsonl, mistyped
     # A bare Figure on the Agg canvas: no pyplot global state, no display and no GUI toolkit needed.
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -136,7 +154,7 @@ def plot_runs(
 
     _label(fig, by_step, by_time, title, metric)
     with atomic_write(out, "wb") as f:
-        fig.savefig(f, format="png", dpi=dpi)
+        fig.savefig(f, format=kind, dpi=dpi)
     return drawn
 
 

@@ -37,15 +37,14 @@ Compiled and eager steps compute the same function in a different order of float
 tokens agree except where the two largest logits are within rounding of each other.
 
 Whether to compile is the device plan's choice (`Plan.decode`, from a measurement; `--no-compile` turns it
-off), and whether a given generation is long enough to pay for the compilation is `worth_compiling`'s: a
-compiled step is paid for once per process, model and bucket, so a short request never waits for it.
+off); when a compiled step is worth its compilation, and which decoders a process keeps, is the timing policy
+of `scratchlm.generation.compile_policy`: a compiled step is paid for once per process, model and bucket, so a
+short request never waits for it.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -54,20 +53,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from scratchlm.device.decode_timings import (
-    MIN_GAIN,
-    DecodeTimings,
-    measured_timings,
-    record_timings,
-    timings_key,
-    worth_compiling,
-)
-from scratchlm.model.kv_cache import KVCache, WholeWindowKVCache, decode_dtype
+from scratchlm.model.kv_cache import WholeWindowKVCache, decode_dtype
 from scratchlm.model.layers import hold_rows_for_decoding, tracing_step
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.precisions import DTYPE_NAMES
-
-WARMUP_STEPS = 4  # eager steps `generate` times before it decides whether compiling pays
 
 
 def bucket(rows: int, max_rows: int) -> int:
@@ -91,7 +79,8 @@ def window_buckets(model: TransformerLM, rows: int) -> list[int]:
     `WINDOW_SHARE` of the weights (as they are held: the cache in `decode_dtype`, the weights in theirs) and
     at least `WINDOW_BYTES`."""
     config, weight, context = model.config, model.lm_head.weight, model.config.context_length
-    held = decode_dtype(weight.dtype, weight.device).itemsize
+    activations = model.token_embeddings.weight  # in the plan's dtype even where the matrices hold int8
+    held = decode_dtype(activations.dtype, activations.device).itemsize
     kv_bytes = rows * context * 2 * config.num_layers * config.kv_heads * config.head_dim * held
     weight_bytes = model.num_parameters(non_embedding=True) * weight.element_size()
     # On a GPU the whole context: there the buckets are graphs of one `torch.compile`d function, which
@@ -159,7 +148,8 @@ class Decoder:
         self.announce = announce or (lambda line: None)
         self.compile_seconds = 0.0
         self.step_seconds: list[float] = []  # the compiled steps' times, compilations left out
-        self.eager_buckets: set[int] = set()  # sizes where the compiled step measured no faster (`measure`)
+        # Sizes where the compiled step measured no faster (`compile_policy.measure_decoder`): run eagerly.
+        self.eager_buckets: set[int] = set()
         self._windows = {size: window_buckets(model, size) for size in range(1, max_rows + 1)}
         self._views: dict[tuple[int, int], WholeWindowKVCache] = {}  # by bucket and window
         self._tokens: dict[int, Tensor] = {}  # by bucket
@@ -203,45 +193,19 @@ class Decoder:
         longest = max(self.cache.lengths[:rows])
         return next(w for w in self._windows[bucket(rows, self.max_rows)] if w > longest)
 
+    def uncompiled_windows(self, rows: int) -> list[int]:
+        """The windows of the bucket of `rows` sequences whose step is not compiled yet at the current
+        thread count."""
+        size, threads = bucket(rows, self.max_rows), torch.get_num_threads()
+        return [window for window in self._windows[size] if (size, window, threads) not in self._steps]
+
     def is_compiled_for(self, rows: int) -> bool:
         """Whether a step of `rows` sequences runs without compiling first, at any of its windows."""
-        size, threads = bucket(rows, self.max_rows), torch.get_num_threads()
-        compiled = all((size, window, threads) in self._steps for window in self._windows[size])
-        return not self.compiled or compiled or size in self.eager_buckets
+        compiled = not self.uncompiled_windows(rows)
+        return not self.compiled or compiled or bucket(rows, self.max_rows) in self.eager_buckets
 
-    def measure(self, rows: int, steps: int = 8) -> DecodeTimings:
-        """Compile the step for `rows` sequences at each of its windows (a server before its first request)
-        and time it against the eager step, `steps` steps each with every row just under half the context;
-        the cache's rows are left as they were. Where the compiled step measures less than `MIN_GAIN` times
-        faster, steps of that size run eagerly from now on."""
-        size, threads = bucket(rows, self.max_rows), torch.get_num_threads()
-        saved = [(layer.keys[:size].clone(), layer.values[:size].clone()) for layer in self.cache.layers]
-        lengths, in_use = list(self.cache.lengths), self.cache.batch_size
-        tokens = torch.zeros(size, dtype=torch.long, device=saved[0][0].device)
-
-        def timed(run: Callable[[], object], length: int = max(0, self.cache.window // 2 - 1)) -> float:
-            self.cache.lengths[:size] = [length] * size
-            start = time.perf_counter()
-            run()
-            if tokens.is_cuda:
-                torch.cuda.synchronize()
-            return time.perf_counter() - start
-
-        self.eager_buckets.discard(size)
-        # Each window compiles at its first step: one with the rows as long as the window allows.
-        windows = [w for w in self._windows[size] if (size, w, threads) not in self._steps]
-        compile_s = sum(timed(lambda: self.step(tokens), w - 1) for w in windows) or self.compile_seconds
-        compiled = min(timed(lambda: self.step(tokens)) for _ in range(steps))
-        eager = min(timed(lambda: self._eager(tokens)) for _ in range(steps))
-        for layer, (keys, values) in zip(self.cache.layers, saved, strict=True):
-            layer.keys[:size], layer.values[:size] = keys, values
-        self.cache.lengths[:], self.cache.batch_size = lengths, in_use
-        timings = DecodeTimings(eager_ms=eager * 1e3, compiled_ms=compiled * 1e3, compile_s=compile_s)
-        if timings.speedup < MIN_GAIN:
-            self.eager_buckets.add(size)
-        return timings
-
-    def _eager(self, tokens: Int[Tensor, " rows"]) -> Float[Tensor, "rows vocab"]:
+    def eager_step(self, tokens: Int[Tensor, " rows"]) -> Float[Tensor, "rows vocab"]:
+        """The step run eagerly on the rows in use, whatever the decoder compiles."""
         self.cache.batch_size = tokens.shape[0]
         return self.model(tokens[:, None], kv_cache=self.cache)[:, -1]
 
@@ -250,7 +214,7 @@ class Decoder:
         rows = tokens.shape[0]
         size = bucket(rows, self.max_rows)
         if not self.compiled or size in self.eager_buckets:
-            return self._eager(tokens)
+            return self.eager_step(tokens)
         self.cache.batch_size = rows
         window = self.window(rows)
         key = (size, window, torch.get_num_threads())
@@ -275,81 +239,3 @@ class Decoder:
             self.step_seconds.append(seconds)
         self.cache.advance(1)
         return logits
-
-
-def model_timings_key(model: TransformerLM, rows: int) -> str:
-    """The key of `model`'s decode timings at `rows` rows on its device and in its weights' precision."""
-    weight = model.lm_head.weight
-    precision = {dtype: name for name, dtype in DTYPE_NAMES.items()}.get(str(weight.dtype).split(".")[-1])
-    c = model.config
-    shape = (c.num_layers, c.d_model, c.num_heads, c.kv_heads, c.d_ff, c.vocab_size, c.context_length)
-    return timings_key(weight.device, precision or str(weight.dtype), shape, rows)
-
-
-# One compiled decoder per model and row count, for `generate`: a compilation is paid for once per process.
-_DECODERS: weakref.WeakKeyDictionary[TransformerLM, dict[int, Decoder]] = weakref.WeakKeyDictionary()
-
-
-def _announce(line: str) -> None:
-    from scratchlm.console import console
-
-    console.print(line, style="dim")
-
-
-class CompiledSwitch:
-    """When `generate` moves from eager steps to a compiled decoder, for one call of `rows` sequences.
-
-    `compile=None` follows the plan (`Plan.for_inference` sets `model.compiled_decode`): the first
-    `WARMUP_STEPS` steps run eagerly and are timed, then the call compiles only if the steps it has left save
-    more time than compiling costs (`worth_compiling`, from this machine's measured timings of the shape). A
-    decoder this process already compiled is used at once. `compile=True` compiles at the first step (a
-    benchmark, a caller about to generate a lot); `False` never compiles. `finish` records the timings the
-    call measured, eager and compiled, for the next decision."""
-
-    def __init__(self, model: TransformerLM, rows: int, compile: bool | None) -> None:
-        self.model, self.rows = model, rows
-        self.wanted = getattr(model, "compiled_decode", False) if compile is None else compile
-        self.forced = compile is True
-        self.eager_seconds: list[float] = []
-        self._last: float | None = None
-        self.used: Decoder | None = None
-
-    def decoder(self, cache: KVCache, steps_left: int) -> Decoder | None:
-        """After each eager step (the prefill first): the compiled decoder to go on with, `cache`'s sequences
-        copied into its rows, or None to stay eager."""
-        if not self.wanted or steps_left <= 0:
-            return None
-        now = time.perf_counter()
-        if self._last is not None:
-            self.eager_seconds.append(now - self._last)
-        self._last = now
-        decoders = _DECODERS.get(self.model, {})
-        ready = self.rows in decoders and decoders[self.rows].is_compiled_for(self.rows)
-        if not (ready or self.forced):
-            if len(self.eager_seconds) < WARMUP_STEPS:
-                return None
-            timings = measured_timings(model_timings_key(self.model, self.rows))
-            if not worth_compiling(timings, statistics.median(self.eager_seconds), steps_left):
-                self.wanted = False
-                return None
-        if self.rows not in decoders:
-            decoders = _DECODERS.setdefault(self.model, {})
-            decoders[self.rows] = Decoder(self.model, self.rows, compiled=True, announce=_announce)
-        decoder = self.used = decoders[self.rows]
-        for row in range(self.rows):
-            decoder.cache.store(row, cache, row)
-        return decoder
-
-    def finish(self) -> None:
-        """Record the timings of this call's eager and compiled steps, where it measured both."""
-        decoder = self.used
-        if decoder is None or len(self.eager_seconds) < WARMUP_STEPS or len(decoder.step_seconds) < 2:
-            return
-        key = model_timings_key(self.model, self.rows)
-        compile_s = decoder.compile_seconds or getattr(measured_timings(key), "compile_s", 0.0)
-        timings = DecodeTimings(
-            eager_ms=statistics.median(self.eager_seconds) * 1e3,
-            compiled_ms=statistics.median(decoder.step_seconds[-64:]) * 1e3,
-            compile_s=compile_s,
-        )
-        record_timings(key, timings)

@@ -32,7 +32,8 @@ from jaxtyping import Int
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.generation.decode import CompiledSwitch, Decoder
+from scratchlm.generation.compile_policy import CompiledSwitch
+from scratchlm.generation.decode import Decoder
 from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.transformer import TransformerLM
 
@@ -128,7 +129,9 @@ def _generation_steps(
                 active &= ~torch.isin(next_tokens, torch.tensor(sorted(stops), device=next_tokens.device))
                 if not active.any():
                     break
-            tokens = torch.cat([tokens, next_tokens.unsqueeze(1)], dim=1)
+            # Past the context only the window is read: keep it alone (one more token than the context, which
+            # keeps the sliding branch taken), so that a budget of any length runs in constant memory.
+            tokens = torch.cat([tokens[:, -context_length:], next_tokens.unsqueeze(1)], dim=1)
     finally:
         if switch is not None:
             switch.finish()
@@ -163,8 +166,8 @@ def generate(
     on from an earlier call, as `scratchlm generate --num-samples` uses it).
 
     `compile` runs the decode steps compiled (`scratchlm.generation.decode`): None (the default) where the
-    model's plan allows it (`Plan.for_inference`) and the tokens left pay for the compilation, True at once,
-    False never. The tokens are the same either way, up to floating-point rounding at a near-tie.
+    model's plan allows it (`prepare_for_inference`) and the tokens left pay for the compilation, True at
+    once, False never. The tokens are the same either way, up to floating-point rounding at a near-tie.
     """
     options = _sampling_options(max_new_tokens, temperature, top_p, top_k, options)
     prompts = _prepare(model, prompt_ids)

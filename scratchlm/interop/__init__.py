@@ -13,6 +13,8 @@ line each.
     hf_remote.py        transformers with the model's own code, for every other model: its config.json, the
                         files of `remote_code/` (configuration_scratchlm.py, modeling_scratchlm.py) copied in
     gguf.py             llama.cpp: one GGUF file with hyperparameters, tensors and tokenizer; `export_gguf`
+    checkpoint.py       scratchlm itself: a checkpoint (a sharded one consolidated) as one checkpoint file;
+                        `export_checkpoint`
     tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`
     verify.py           the logits check every export passes before it is declared a success
 

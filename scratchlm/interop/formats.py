@@ -63,6 +63,8 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
     for f in (
         ExportFormat("hf", "scratchlm.interop.hf:export_hf", "Hugging Face transformers", "directory"),
         ExportFormat("gguf", "scratchlm.interop.gguf:export_gguf", "llama.cpp", "file", ".gguf"),
-        ExportFormat("checkpoint", "scratchlm.run.sharded:export_checkpoint", "scratchlm", "file", ".pt"),
+        ExportFormat(
+            "checkpoint", "scratchlm.interop.checkpoint:export_checkpoint", "scratchlm", "file", ".pt"
+        ),
     )
 }

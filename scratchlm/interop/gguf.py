@@ -18,15 +18,23 @@ Tensors are under llama.cpp's names (`GGUFAdapter.names`; `output` is absent whe
 `token_embd`). Each matrix is stored as numpy writes a PyTorch `(out, in)` weight, which GGUF records as
 `ne = [in, out]`, the layout llama.cpp multiplies with. llama.cpp's "llama" RoPE rotates adjacent pairs, as
 scratchlm's does, so no rows are permuted (transformers' conversion script permutes back to this layout).
-Matrices are float32, float16 or bfloat16; the RMSNorm gains stay float32, as llama.cpp's own converter keeps
-them.
+Matrices are float32, float16, bfloat16 or Q8_0; the RMSNorm gains stay float32, as llama.cpp's own converter
+keeps them (its kernels take 1-D tensors in float32 only).
+
+Q8_0 (`--dtype q8_0`, file type 7, llama.cpp's `MOSTLY_Q8_0`) is llama.cpp's int8: each row cut into blocks of
+32 weights, each block 32 int8 values and one float16 scale `max|w| / 127` (34 bytes for 32 weights), written
+by the `gguf` package's own quantizer (`gguf.quants.quantize`, bit-exact with ggml's). As llama.cpp's
+`convert_hf_to_gguf.py --outtype q8_0` does, every matrix is Q8_0, the token embeddings and the LM head too,
+and a matrix whose rows are not a whole number of 32-weight blocks falls back to float16 (`stored_type`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +57,8 @@ from scratchlm.run.load import TrainedModel
 from scratchlm.tokenizer.serialization import token_to_text
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
-FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16
+# llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
 
 
@@ -130,15 +139,14 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
         if turn_ends:
             writer.add_eot_token_id(turn_ends[0])
 
-    quantization = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}
     for tensor_name, tensor in GGUFAdapter(c).to_external(model.state_dict()).items():
         data = tensor.detach().cpu().float().numpy()
-        qtype = quantization[dtype]
-        if qtype is None or data.ndim < 2:
+        qtype = stored_type(data.shape, dtype)
+        if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, np.ascontiguousarray(data))
         else:
-            # float16 comes back as a float16 array; bfloat16, which numpy lacks, as its bytes (uint8), whose
-            # element shape the writer works out from `raw_dtype`.
+            # float16 comes back as a float16 array; bfloat16, which numpy lacks, and Q8_0's blocks as their
+            # bytes (uint8), whose element shape the writer works out from `raw_dtype`.
             writer.add_tensor(tensor_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -146,11 +154,41 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
     writer.close()
 
 
+def stored_type(shape: tuple[int, ...], dtype: str) -> Any:
+    """The GGML type (`gguf.GGMLQuantizationType`) a tensor of `shape` is written in at `--dtype dtype`:
+    vectors (the RMSNorm gains) in float32; matrices in `dtype`, except at q8_0 those whose rows are not a
+    whole number of 32-weight blocks, in float16 (what llama.cpp's converter falls back to)."""
+    gguf = require("gguf")
+    types = gguf.GGMLQuantizationType
+    if len(shape) < 2 or dtype == "f32":
+        return types.F32
+    if dtype == "q8_0":
+        block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
+        return types.Q8_0 if shape[-1] % block == 0 else types.F16
+    return {"f16": types.F16, "bf16": types.BF16}[dtype]
+
+
+def as_written(model: TransformerLM, dtype: str) -> TransformerLM:
+    """A float32 copy of `model` with the weights the file holds at `dtype`: each tensor quantized to its
+    `stored_type` and dequantized by the `gguf` package, as transformers and llama.cpp read them back."""
+    if dtype != "q8_0":
+        return as_stored(model, dtype, vectors_too=False)
+    gguf = require("gguf")
+    stored = copy.deepcopy(model).float()
+    with torch.no_grad():
+        for parameter in stored.parameters():
+            data = parameter.detach().numpy()
+            qtype = stored_type(data.shape, dtype)
+            values = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+            parameter.copy_(torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(data.shape)))
+    return stored
+
+
 def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32") -> ExportResult:
     """Write `trained` (model and tokenizer) as the GGUF file `out`. With transformers installed, its GGUF
     reader loads the file and its logits are compared with scratchlm's before the file takes its name."""
     out = Path(out)
-    architecture, _ = check_export(trained, (GGUFAdapter,), dtype)
+    architecture, _ = check_export(trained, (GGUFAdapter,), dtype, dtypes=tuple(FILE_TYPES))
     check_output_file(out, previous=_is_gguf, what="a GGUF file")  # before any work
     require("gguf")
     model = trained.model.cpu().float()
@@ -178,7 +216,7 @@ def _verify(path: Path, model: TransformerLM, dtype: str) -> float | None:
         external = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, **{dtype_keyword(transformers): torch.float32}
         ).eval()
-    reference = as_stored(model, dtype, vectors_too=False)
+    reference = as_written(model, dtype)
     return check_logits(reference, lambda ids: external(ids).logits, "transformers' reading of the GGUF file")
 
 

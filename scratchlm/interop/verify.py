@@ -34,17 +34,23 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def check_export(
-    trained: TrainedModel, adapters: Sequence[type[StateDictAdapter]], dtype: str
+    trained: TrainedModel,
+    adapters: Sequence[type[StateDictAdapter]],
+    dtype: str,
+    dtypes: Sequence[str] = tuple(DTYPES),
 ) -> tuple[Architecture, type[StateDictAdapter]]:
     """What every export checks before any work: the architecture that computes the model exactly
     (`check_exportable`) among those of `adapters` (the format's, the preferred first), and the adapter that
-    writes it; a `dtype` of `DTYPES`; a tokenizer to write beside the weights."""
+    writes it; a `dtype` of `dtypes`, those the format writes (`DTYPES` unless it says); a tokenizer to write
+    beside the weights."""
     format = adapters[0].format
     architectures = [architecture for adapter in adapters for architecture in adapter.architectures]
     reader = EXPORT_FORMATS[format].target
     architecture = check_exportable(trained.model.config, format, reader, architectures)
-    if dtype not in DTYPES:
-        raise ScratchlmError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in dtypes:
+        raise ScratchlmError(
+            f"--format {format} does not write --dtype {dtype}; choose one of {', '.join(dtypes)}"
+        )
     if trained.tokenizer is None:
         raise ScratchlmError(f"no tokenizer found for {trained.checkpoint}; pass --tokenizer DIR")
     return architecture, next(a for a in adapters if architecture in a.architectures)

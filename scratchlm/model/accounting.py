@@ -147,6 +147,12 @@ def train_step_flops(config: ModelConfig, batch_size: int, seq_len: int | None =
     return 3 * forward_flops(config, seq_len, batch_size)
 
 
+def flops_per_token(config: ModelConfig) -> int:
+    """Training FLOPs per token of a full-context sequence: forward + backward of every matmul (the
+    handout's 3 × forward count, attention scores included). The numerator of the MFU estimate."""
+    return train_step_flops(config, batch_size=1) // config.context_length
+
+
 def activation_elements(config: ModelConfig, batch_size: int, seq_len: int | None = None) -> dict[str, int]:
     """Activation values saved for the backward pass, per group of the handout's list (see the module
     docstring). Linear in the batch size; the attention matrices are quadratic in the sequence length."""

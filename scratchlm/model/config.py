@@ -136,23 +136,6 @@ class ModelConfig:
         """Heads of keys and values: `num_kv_heads`, or `num_heads` without grouped-query attention."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
-    @property
-    def num_parameters(self) -> int:
-        """Trainable parameters, from the formulas of `scratchlm.model.accounting` (equal to
-        `TransformerLM.num_parameters()` of a model built from this config; tested)."""
-        from scratchlm.model.accounting import num_parameters
-
-        return num_parameters(self)
-
-    @property
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token of a full-context sequence: forward + backward of every matmul (the
-        handout's 3 × forward count, attention scores included), from `scratchlm.model.accounting`. The
-        numerator of the MFU estimate."""
-        from scratchlm.model.accounting import train_step_flops
-
-        return train_step_flops(self, batch_size=1) // self.context_length
-
     def to_dict(self) -> dict[str, Any]:
         """The fields; `num_kv_heads` only under grouped-query attention, `attention` only when not "auto" and
         `norm_eps` only when not the default, so that other configs read and write exactly as before they

@@ -18,8 +18,8 @@ computes.
     logits = model(prompt_ids, kv_cache=cache)        # prefill: (1, prompt_len, vocab)
     logits = model(next_id[:, None], kv_cache=cache)  # decode:  (1, 1, vocab)
 
-`PaddedKVCache` is the other layout, for serving sequences of different lengths in one batch (the server's
-scheduler, `scratchlm.serving.engine`): one preallocated `(rows, kv_heads, context, d_k)` tensor per layer, row
+`PaddedKVCache` is the other layout, for decoding sequences of different lengths in one batch (the batched
+decoding engine, `scratchlm.generation.engine`): one preallocated `(rows, kv_heads, context, d_k)` tensor per layer, row
 r holding sequence r's tokens from index 0 and its own length. A decode step writes each row's new key at that
 row's length, and its query attends, under a mask, to that row's keys alone: rows never see each other's tokens
 or the stale entries past their lengths. Keys start at index 0 in every row, so position j is token j for
@@ -36,6 +36,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import ModelConfig
 
 
 def decode_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -45,6 +46,21 @@ def decode_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     on an AVX-512-BF16 EPYC, 16 heads: 187 µs a product against 8.6 µs in float32); a float32 cache is
     converted once, as each key is written, instead of whole at every step."""
     return torch.promote_types(dtype, torch.float32) if device.type == "cpu" else dtype
+
+
+def check_fits(cache: KVCache | PaddedKVCache | WholeWindowKVCache, token_ids: Int[Tensor, "..."]) -> None:
+    """Refuse, with a one-line error, new tokens that `cache` cannot take: a forward pass through a cache
+    takes `(batch, new_tokens)` for the cache's batch, and no more new tokens than its room."""
+    if token_ids.dim() != 2 or token_ids.shape[0] != cache.batch_size:
+        raise ScratchlmError(
+            f"with a KV cache the input must be (batch={cache.batch_size}, new_tokens); "
+            f"got shape {tuple(token_ids.shape)}"
+        )
+    if token_ids.shape[-1] > cache.room():
+        raise ScratchlmError(
+            f"the KV cache holds at most {cache.window} tokens a sequence (the context_length); "
+            f"{token_ids.shape[-1]} more do not fit"
+        )
 
 
 class LayerKVCache:
@@ -147,6 +163,22 @@ class PaddedKVCache:
             )
             for _ in range(num_layers)
         ]
+
+    @classmethod
+    def for_model(
+        cls, config: ModelConfig, max_rows: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> PaddedKVCache:
+        """The cache a model of `config` fills: one layer each of its blocks, its context length as the
+        window, its key/value heads and head dimension."""
+        return cls(
+            config.num_layers,
+            config.context_length,
+            max_rows,
+            config.kv_heads,
+            config.head_dim,
+            dtype,
+            device,
+        )
 
     def store(self, row: int, cache: KVCache, sequence: int = 0) -> None:
         """Copy sequence `sequence` of `cache` (a prefill's: batch size 1, or a batch of prompts of one length)

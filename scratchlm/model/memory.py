@@ -9,8 +9,9 @@ sequence), with the project's training as it runs:
   shapes: AdamW two moments (8 bytes a parameter); Muon one momentum buffer for the blocks' matrices and
   AdamW's two moments for the rest (embeddings, head, gains); SGD none (its step count is a Python number).
   These three are exact: the tests compare them with the bytes of a real model's and optimizer's tensors.
-- **DDP** keeps the whole state on every process, plus its gradient buckets: the reducer all-reduces the
-  gradients through flat buffers that hold a second copy of every gradient (4 bytes a parameter).
+- **DDP** keeps the whole state on every process, and nothing more: the reducer all-reduces the gradients
+  through flat buckets, and the gradients are views into them (`gradient_as_bucket_view`,
+  scratchlm/parallel/ddp.py), not a second copy of every gradient (4 bytes a parameter more without it).
 - **FSDP** keeps 1/N of the state on each of N processes (each parameter's first dimension is split; the few
   rows of padding that make it divisible are left out). During the forward and backward passes a process also
   holds gathered weights, in the compute dtype, and their unsharded gradients until they are reduce-scattered:
@@ -23,7 +24,7 @@ sequence), with the project's training as it runs:
   its input (the float32 residual stream, `d_model` values a token) and recomputes the rest in the backward
   pass: the micro-batch holds every block's input, one block's activations at a time, and the head's.
 
-A world of one is one process: no DDP buckets and nothing sharded, whatever the parallelism. Sizes are bytes.
+A world of one is one process: nothing sharded, whatever the parallelism. Sizes are bytes.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class RankMemory:
     parameters: int
     gradients: int
     optimizer_state: int
-    buffers: int  # DDP: the gradient buckets; FSDP: gathered weights and their unsharded gradients
+    buffers: int  # FSDP: gathered weights and their unsharded gradients; DDP: none (its buckets are them)
     activations: int
 
     @property
@@ -154,11 +155,8 @@ def rank_memory(
     split = parameter_split(config)
     shards = world if parallel == "fsdp" else 1
     params, moments = (math.ceil(n / shards) for n in (split.total, optimizer_elements(split, optimizer)))
-    if world == 1:
-        buffers = 0
-    elif parallel == "ddp":
-        buffers = split.total * BYTES_FP32
-    else:
+    buffers = 0  # DDP's buckets are its gradients (`gradient_as_bucket_view`): nothing beyond the state
+    if world > 1 and parallel == "fsdp":
         buffers = (split.root + split.block) * 2 * COMPUTE_BYTES[precision]
     return RankMemory(
         parallel=parallel if world > 1 else None,

@@ -43,10 +43,11 @@ from scratchlm.model.kv_cache import (
     LayerKVCache,
     PaddedKVCache,
     WholeWindowKVCache,
+    check_fits,
     decode_dtype,
 )
 from scratchlm.model.layers import Embedding, Linear, RMSNorm, at_least_float32
-from scratchlm.model.loss import fused_linear_cross_entropy
+from scratchlm.model.loss import cross_entropy, fused_linear_cross_entropy
 from scratchlm.model.part import ConfigModule, Device, DType, handout_config
 
 
@@ -136,12 +137,13 @@ class TransformerLM(ConfigModule):
             RMSNorm(config.d_model, config.norm_eps, device, dtype) if config.norm == "pre" else None
         )
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
-        # Set by `Plan.for_inference` where PyTorch's own matrix-vector kernels measured faster than oneDNN's
-        # (bf16 on a CPU with native bf16: 29 GB/s against 15 on an AVX-512-BF16 EPYC): a forward pass over
-        # one token (a decode step at batch 1) then runs without oneDNN. oneDNN stays for everything else,
+        # Set by `prepare_for_inference` where PyTorch's own matrix-vector kernels measured faster than
+        # oneDNN's (bf16 on a CPU with native bf16: 29 GB/s against 15 on an AVX-512-BF16 EPYC): a forward pass
+        # over one token (a decode step at batch 1) then runs without oneDNN. oneDNN stays for everything else,
         # where it is the faster by far (4 tokens and more, it is 2-8x faster on that CPU).
         self.one_token_without_onednn = False
-        # Set by `Plan.for_inference`: generation may compile its decode steps (`scratchlm.generation.decode`).
+        # Set by `prepare_for_inference`: generation may compile its decode steps
+        # (`scratchlm.generation.decode`).
         self.compiled_decode = False
         if config.tie_embeddings:
             # One matrix for both ends. It takes the LM head's initialisation (std ≈ sqrt(2 / (vocab + d_model)))
@@ -204,16 +206,8 @@ class TransformerLM(ConfigModule):
             raise ScratchlmError(
                 f"input of {seq} tokens is longer than the model's context_length ({self.config.context_length})"
             )
-        if kv_cache is not None and (token_ids.dim() != 2 or token_ids.shape[0] != kv_cache.batch_size):
-            raise ScratchlmError(
-                f"with a KV cache the input must be (batch={kv_cache.batch_size}, new_tokens); "
-                f"got shape {tuple(token_ids.shape)}"
-            )
-        if kv_cache is not None and seq > kv_cache.room():
-            raise ScratchlmError(
-                f"the KV cache holds at most {kv_cache.window} tokens a sequence (the context_length); "
-                f"{seq} more do not fit"
-            )
+        if kv_cache is not None:
+            check_fits(kv_cache, token_ids)
         layer_caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers)
 
         x = self.token_embeddings(token_ids)
@@ -233,7 +227,8 @@ class TransformerLM(ConfigModule):
             x = self.ln_final(x)
         if kv_cache is not None:
             kv_cache.advance(seq)
-        if targets is not None:
+        int8_head = self.lm_head.weight_scale is not None  # held in int8 for inference (`--quantize`)
+        if targets is not None and not int8_head:
             return fused_linear_cross_entropy(x, self.lm_head.weight, targets, self.config.logit_softcap)
         logits = self.lm_head(x[..., -1:, :] if last_only else x)
         if self.config.logit_softcap:
@@ -241,7 +236,7 @@ class TransformerLM(ConfigModule):
             # and bounded by ±c, so no logit can run away from the others.
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(at_least_float32(logits) / cap)
-        return logits
+        return logits if targets is None else cross_entropy(logits, targets)
 
     def decode(
         self, token_ids: Int[Tensor, "rows 1"], kv_cache: PaddedKVCache | WholeWindowKVCache
@@ -283,17 +278,11 @@ class TransformerLM(ConfigModule):
     def new_padded_kv_cache(self, max_rows: int) -> PaddedKVCache:
         """An empty cache of `max_rows` rows of different lengths (serving), preallocated on the model's device
         in the dtype a decode step attends in (`decode_dtype` of the weights' dtype, the dtype the model
-        computes keys in for inference: `Plan.for_inference`)."""
-        weight = self.lm_head.weight
-        config = self.config
-        return PaddedKVCache(
-            config.num_layers,
-            config.context_length,
-            max_rows,
-            config.kv_heads,
-            config.head_dim,
-            decode_dtype(weight.dtype, weight.device),
-            weight.device,
+        computes keys in for inference: `prepare_for_inference`; the embeddings', which stay in it when the
+        matrices are held in int8)."""
+        weight = self.token_embeddings.weight
+        return PaddedKVCache.for_model(
+            self.config, max_rows, decode_dtype(weight.dtype, weight.device), weight.device
         )
 
     def num_parameters(self, non_embedding: bool = False) -> int:

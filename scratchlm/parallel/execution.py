@@ -1,4 +1,5 @@
-"""`Execution`: what a kind of parallelism hands the training step."""
+"""What a kind of parallelism is given (`ParallelSettings`: plain values, never a training config) and what it
+hands the training step (`Execution`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,20 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The plain values the kinds of parallelism read, each kind those it has a use for (as torchtitan's
+    `apply_fsdp` takes them): the processes of the run, the dtype the blocks compute in (FSDP gathers them in
+    it), whether to compile, and whether FSDP frees a block's gathered parameters after its forward."""
+
+    world_size: int
+    compute_dtype: torch.dtype = torch.float32
+    compile: bool = False
+    reshard_after_forward: bool = True
 
 
 @dataclass(frozen=True)

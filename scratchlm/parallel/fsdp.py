@@ -27,46 +27,32 @@ compiled code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.parallel.execution import Execution
-
-if TYPE_CHECKING:
-    from scratchlm.device import Plan
-    from scratchlm.training.config import TrainingConfig
-    from scratchlm.training.distributed import Distributed
+from scratchlm.parallel.execution import Execution, ParallelSettings
 
 
-def parallelize_fsdp(
-    model: TransformerLM, training: TrainingConfig, plan: Plan, device: torch.device, dist: Distributed
-) -> Execution:
-    """Shard `model` in place across the processes (each block, compiled where `plan` says, then the root):
-    its parameters become DTensor shards, so make the optimizer after this."""
-    if plan.compile.value:
+def parallelize_fsdp(model: TransformerLM, device: torch.device, settings: ParallelSettings) -> Execution:
+    """Shard `model` in place across the `settings.world_size` processes (each block, compiled if
+    `settings.compile`, then the root), its blocks gathered in `settings.compute_dtype`: its parameters become
+    DTensor shards, so make the optimizer after this."""
+    if settings.compile:
         for block in model.layers:
             block.compile()
-    shard(model, device, dist.world_size, plan.dtype, training.reshard_after_forward)
+    shard(model, device, settings)
     return Execution(model, model, lockstep=True)
 
 
-def shard(
-    model: TransformerLM,
-    device: torch.device,
-    world_size: int,
-    compute_dtype: torch.dtype,
-    reshard_after_forward: bool = True,
-) -> None:
-    """`fully_shard` each block of `model`, then the root, over a mesh of the `world_size` processes."""
-    mesh = init_device_mesh(device.type, (world_size,))
-    low = compute_dtype if compute_dtype != torch.float32 else None
+def shard(model: TransformerLM, device: torch.device, settings: ParallelSettings) -> None:
+    """`fully_shard` each block of `model`, then the root, over a mesh of the `settings.world_size` processes."""
+    mesh = init_device_mesh(device.type, (settings.world_size,))
+    low = settings.compute_dtype if settings.compute_dtype != torch.float32 else None
     # cast_forward_inputs=False: the residual stream enters each block in float32, as without sharding.
     blocks = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=blocks, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=blocks, reshard_after_forward=settings.reshard_after_forward)
     root = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=False)

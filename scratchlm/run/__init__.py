@@ -14,8 +14,9 @@ A training run lives in one directory (`logging.run_dir`):
 Everything that reads or writes these files goes through this package: `RunDirectory` knows the paths and
 finds checkpoints and locks the run for one trainer, `Checkpoint` is the one reader and writer of checkpoint
 files, with what a training run adds in its `TrainingState` (`scratchlm.run.checkpoint`, the only module that
-knows their keys; `scratchlm.run.sharded` writes and reads the sharded ones' shards), `check_pair` decides
-whether a tokenizer belongs to a model, `RunSummary` is the typed summary with its `StopReason`,
+knows their keys; `scratchlm.run.sharded` writes and reads the sharded ones' shards), `read_any` reads either
+kind and `load_checkpoint` is the one way any checkpoint goes into a model (`scratchlm.run.load`), `check_pair`
+decides whether a tokenizer belongs to a model, `RunSummary` is the typed summary with its `StopReason`,
 `read_metrics` parses the metrics log, and `load_trained` loads a trained model together with its tokenizer for
 inference.
 """

@@ -1,7 +1,9 @@
 """Checkpoints: everything needed to continue a run, or to use the model it trained. This module is their one
 owner: the keys of the file are named here and nowhere else, `Checkpoint` is the typed content that training,
-import, export, `eval` and `generate` all read and write, and `save_checkpoint` / `load_checkpoint` are the interface of the
-CS336 assignment-1 handout to the same file.
+import, export, `eval` and `generate` all read and write, and `save_checkpoint` (with `load_checkpoint`,
+`scratchlm.run.load`) is the interface of the CS336 assignment-1 handout to the same file. Reading a file is
+here; which kind of checkpoint a path is (a file or a sharded one's directory), and loading any checkpoint into
+a model, is `scratchlm.run.load`'s.
 
 A checkpoint is one `torch.save`d dict:
 
@@ -21,7 +23,8 @@ A checkpoint is one `torch.save`d dict:
 
 A run that shards its model (`training.parallel = "fsdp"`) saves a checkpoint as a directory instead, each
 process writing its shards of the model and the optimizer (`scratchlm.run.sharded`); its other entries are the
-ones above, in a file of this format inside it. `Checkpoint.read` reads both kinds.
+ones above, in a file of this format inside it. `Checkpoint.read` reads a file; `scratchlm.run.load.read_any`
+reads either kind.
 
 Compiled (`torch.compile`) and data-parallel (`DistributedDataParallel`) models wrap the real module and prefix
 its parameter names with `_orig_mod.` and `module.`; the checkpoint always stores the unwrapped names, so it
@@ -158,10 +161,12 @@ def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> dict[str, Any]:
         raise ScratchlmError(
             f"checkpoint {src} is not a scratchlm checkpoint (not a PyTorch file of tensors and plain values)"
         ) from None
-    except Exception as e:  # a truncated or foreign file: torch raises several types
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception:
+        # A truncated or corrupt archive: torch raises whatever its reader met first (an OSError "[Errno 22]",
+        # a KeyError "255", miniz's "failed finding central directory"), none of which says what is wrong.
         raise ScratchlmError(
-            f"checkpoint {src} could not be read (truncated, or not a PyTorch file): {reason}"
+            f"checkpoint {src} is not a complete checkpoint (truncated or corrupt): PyTorch cannot read its "
+            "archive; use an earlier checkpoint"
         ) from None
     if not isinstance(state, dict) or MODEL not in state:
         raise ScratchlmError(f"checkpoint {src} is not a scratchlm checkpoint (no 'model' entry)")
@@ -199,26 +204,6 @@ def _hash_value(digest: Any, value: Any) -> None:
         digest.update(f"{type(value).__name__} {value!r}\n".encode())
 
 
-def load_checkpoint(
-    src: str | os.PathLike | IO[bytes] | dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> int:
-    """Restore model (and optimizer) state from `src` (a path, a binary file or a read dict); return the iteration."""
-    state = src if isinstance(src, dict) else read_checkpoint(src)
-    try:
-        unwrap_model(model).load_state_dict(strip_wrapper_prefixes(state[MODEL]))
-    except RuntimeError as e:
-        raise ScratchlmError(f"checkpoint does not fit the model: {e}") from None
-    if optimizer is not None:
-        if state.get(OPTIMIZER) is None:
-            raise ScratchlmError(
-                "checkpoint has no optimizer state (an imported model): start a new run from it"
-            )
-        optimizer.load_state_dict(state[OPTIMIZER])
-    return int(state[STEP])
-
-
 @dataclass
 class TrainingState:
     """What a training run adds to its model: what continues the run exactly (`scratchlm.training.start`)."""
@@ -253,25 +238,6 @@ class TrainingState:
         )
 
 
-_TRAINING_NAMES = {
-    "train_config": "config",
-    **{
-        name: name
-        for name in (
-            "data_rng",
-            "torch_rng",
-            "cuda_rng",
-            "elapsed_s",
-            "tokens",
-            "precision",
-            "time_budget",
-            "loss_scale",
-            "world_size",
-        )
-    },
-}
-
-
 @dataclass
 class Checkpoint:
     """The typed content of a checkpoint file. `read` converts any checkpoint scratchlm has written (a key it
@@ -286,19 +252,16 @@ class Checkpoint:
     )
     imported_from: str | None = None  # the directory an imported model was read from
     training: TrainingState | None = None  # None: an imported model
+    # A sharded checkpoint's directory, when its model and optimizer were left there to be read into a model
+    # by each process, its own shards (`scratchlm.run.load`); None: `model` and `optimizer` hold them. Not a
+    # key of the file.
+    shards: Path | None = None
 
     @property
     def tokenizer_dir(self) -> str | None:
         """The tokenizer directory the run's training config named (`data.tokenizer`), if any."""
         data = (self.training.config.get("data") if self.training else None) or {}
         return data.get("tokenizer") or None
-
-    def __getattr__(self, name: str) -> Any:
-        # The training fields were `Checkpoint`'s own before `TrainingState` grouped them: code written then
-        # still reads them here (an imported model's are the defaults).
-        if name not in _TRAINING_NAMES:
-            raise AttributeError(f"'Checkpoint' object has no attribute '{name}'")
-        return getattr(self.__dict__.get("training") or TrainingState({}), _TRAINING_NAMES[name])
 
     @classmethod
     def of(cls, model: torch.nn.Module, step: int, **fields: Any) -> Checkpoint:
@@ -338,13 +301,9 @@ class Checkpoint:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> Checkpoint:
-        """The checkpoint at `path`, checked (see `read_checkpoint`); one without a model config cannot be
-        used on its own and is refused, naming the file. A sharded checkpoint (a directory) is consolidated
-        into this process (`scratchlm.run.sharded.consolidate`)."""
-        if Path(path).is_dir():
-            from scratchlm.run.sharded import consolidate  # it builds on this module
-
-            return consolidate(path)
+        """The checkpoint file at `path`, checked (see `read_checkpoint`); one without a model config cannot
+        be used on its own and is refused, naming the file. (A sharded checkpoint's directory, or either:
+        `scratchlm.run.load.read_any`.)"""
         return cls.from_dict(read_checkpoint(path), path)
 
     @classmethod
@@ -361,6 +320,3 @@ class Checkpoint:
             imported_from=state.get(IMPORTED_FROM),
             training=TrainingState.from_checkpoint(state),
         )
-
-    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        load_checkpoint({MODEL: self.model, OPTIMIZER: self.optimizer, STEP: self.step}, model, optimizer)

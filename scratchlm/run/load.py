@@ -1,7 +1,12 @@
-"""Loading a trained model, and the tokenizer it was trained with, for inference (`generate`, `eval`, ...).
+"""Loading checkpoints: the one way any checkpoint goes into a model, and a trained model, with the tokenizer it
+was trained with, for inference (`generate`, `eval`, ...).
 
-A model is found from a run directory (its latest checkpoint) or a checkpoint (a file, or a sharded one's
-directory, consolidated here: `scratchlm.run.sharded`), rebuilt from the
+A checkpoint is a file (`scratchlm.run.checkpoint`) or a sharded one's directory (`scratchlm.run.sharded`);
+`read_any` is the one place that tells them apart, reading a directory consolidated into this process or,
+for a resume, leaving its shards to be read by each process. `load_checkpoint` then puts any checkpoint into
+a model (and optimizer), sharded or not: it is also the CS336 assignment-1 handout's `load_checkpoint(src, model, optimizer)`.
+
+A trained model is found from a run directory (its latest checkpoint) or a checkpoint, rebuilt from the
 `model_config` the checkpoint carries, and put in eval mode. Its tokenizer is, in this order: the one given,
 the copy in the run directory (`RUN/tokenizer/`, written when training starts), or the directory the training
 config names. A checkpoint records the fingerprint of the tokenizer it was trained with
@@ -13,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from rich.text import Text
@@ -22,14 +27,85 @@ from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run.checkpoint import Checkpoint
+from scratchlm.run.checkpoint import (
+    MODEL,
+    OPTIMIZER,
+    STEP,
+    Checkpoint,
+    read_checkpoint,
+    strip_wrapper_prefixes,
+    unwrap_model,
+)
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.sharded import is_sharded_checkpoint
+from scratchlm.run.sharded import (
+    consolidate,
+    is_sharded_checkpoint,
+    is_sharded_model,
+    load_shards,
+    read_state,
+    set_full_state,
+)
 from scratchlm.tokenizer.tokenizer import Tokenizer
+
+
+def read_any(path: str | os.PathLike, whole: bool = True) -> Checkpoint:
+    """The checkpoint at `path`, a file or a sharded checkpoint's directory, checked. A directory's model and
+    optimizer are read whole into this process (`consolidate`), or, when not `whole`, left for
+    `load_checkpoint` to read into a model, each process its own shards (`Checkpoint.shards`): a resume."""
+    if Path(path).is_dir():
+        return consolidate(path) if whole else read_state(path)
+    return Checkpoint.read(path)
+
+
+def load_checkpoint(
+    src: str | os.PathLike | IO[bytes] | Checkpoint,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> int:
+    """Load `src` (a checkpoint read, or a path or binary file to read: `read_any`) into `model` (and
+    `optimizer`), sharded or not: whole tensors go into a plain model directly and into a sharded one through
+    `set_full_state`, each process keeping its shards; a sharded checkpoint's shards are read by each process
+    (`load_shards`). Returns the checkpoint's step (the handout's iteration)."""
+    if isinstance(src, Checkpoint):
+        checkpoint = src
+    elif isinstance(src, str | os.PathLike) and Path(src).is_dir():
+        checkpoint = read_any(src, whole=False)
+    else:
+        # A file, read as its dict: the handout's `save_checkpoint` of a model without a config records none,
+        # which `Checkpoint` needs, and here the model is given.
+        state = read_checkpoint(src)
+        _load_whole(model, state[MODEL], optimizer, state.get(OPTIMIZER))
+        return int(state[STEP])
+    if checkpoint.shards is not None:
+        load_shards(checkpoint.shards, model, optimizer)
+    else:
+        _load_whole(model, checkpoint.model, optimizer, checkpoint.optimizer)
+    return checkpoint.step
+
+
+def _load_whole(
+    model: torch.nn.Module,
+    model_state: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_state: dict[str, Any] | None,
+) -> None:
+    if optimizer is not None and optimizer_state is None:
+        raise ScratchlmError("checkpoint has no optimizer state (an imported model): start a new run from it")
+    if is_sharded_model(model):
+        set_full_state(model, model_state, optimizer, optimizer_state)
+        return
+    try:
+        unwrap_model(model).load_state_dict(strip_wrapper_prefixes(model_state))
+    except RuntimeError as e:
+        raise ScratchlmError(f"checkpoint does not fit the model: {e}") from None
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state)
 
 
 @dataclass
 class TrainedModel:
+    """A trained model loaded for inference, with what its checkpoint says about its training."""
+
     model: TransformerLM  # in eval mode
     tokenizer: Tokenizer | None  # None when none was given or found
     checkpoint: Path
@@ -85,9 +161,9 @@ def load_trained(
 
 
 def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> TrainedModel:
-    checkpoint = Checkpoint.read(path)
+    checkpoint = read_any(path)
     model = TransformerLM(checkpoint.model_config, device=device)
-    checkpoint.load_into(model)
+    load_checkpoint(checkpoint, model)
     model.eval()
     training = checkpoint.training
     return TrainedModel(

@@ -22,7 +22,9 @@ missing, or whose index names a shard that is missing or short, is refused by na
 resume falls back to the newest intact checkpoint.
 
 `consolidate` reads one in a single process with no process group, into the same `Checkpoint` a single file
-gives, so `generate`, `eval`, `serve`, `chat`, `sft`, `export` and `training.init_from` read either kind.
+gives, so `generate`, `eval`, `serve`, `chat`, `sft`, `export` and `training.init_from` read either kind;
+`load_shards` reads one into a live model, each process its own shards (a resume). Which kind a path is, and
+which of these reads it, is decided in `scratchlm.run.load`, the one way in.
 DCP's index and its non-tensor entries are pickles: like any DCP checkpoint, read only ones you trust.
 """
 
@@ -32,21 +34,18 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.run.checkpoint import MODEL, OPTIMIZER, Checkpoint, read_checkpoint, strip_wrapper_prefixes
-
-if TYPE_CHECKING:
-    from scratchlm.interop.formats import ExportResult
-    from scratchlm.run.load import TrainedModel
+from scratchlm.run.checkpoint import MODEL, OPTIMIZER, Checkpoint, strip_wrapper_prefixes
 
 STATE_FILE = "checkpoint.pt"  # the entries other than the model and the optimizer (rank 0)
 INDEX_FILE = ".metadata"  # DCP's
@@ -164,9 +163,10 @@ def check_complete(path: str | os.PathLike) -> None:
 
 def read_state(path: str | os.PathLike) -> Checkpoint:
     """A complete sharded checkpoint's entries other than the model and optimizer (checked: `check_complete`),
-    as a `Checkpoint` whose model is empty: what a resume reads before loading the shards (`load_sharded`)."""
+    as a `Checkpoint` whose model is empty and whose `shards` is `path`: what a resume reads before each
+    process loads its shards (`load_shards`)."""
     check_complete(path)
-    return Checkpoint.read(Path(path) / STATE_FILE)
+    return dataclasses.replace(Checkpoint.read(Path(path) / STATE_FILE), shards=Path(path))
 
 
 def consolidate(path: str | os.PathLike) -> Checkpoint:
@@ -188,33 +188,52 @@ def consolidate(path: str | os.PathLike) -> Checkpoint:
         checkpoint,
         model=strip_wrapper_prefixes(state[MODEL]),
         optimizer=optimizer_by_position(optimizer) if optimizer else None,
+        shards=None,
     )
 
 
-def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the sharded checkpoint `path` into `model` and `optimizer` however they are laid out now (sharded
+def load_shards(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load the sharded checkpoint `path` into `model` (and `optimizer`) however they are laid out now (sharded
     over any number of processes, or whole): each process reads the chunks its shards need. Collective when a
     process group is running."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to fill
-    state = {MODEL: model_state, OPTIMIZER: optimizer_state}
+    # The layout to fill: DCP reads into it what each process's shards need (only the model's without an
+    # optimizer).
+    if optimizer is None:
+        state = {MODEL: get_model_state_dict(model)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {MODEL: model_state, OPTIMIZER: optimizer_state}
     try:
         with _single_process_quietly():
             dcp.load(state, checkpoint_id=path, no_dist=not _is_distributed())
     except Exception as e:  # DCP reports a mismatch of names or shapes in several ways
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ScratchlmError(f"sharded checkpoint {path} does not fit the model: {reason}") from None
-    set_state_dict(model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIMIZER])
+    if optimizer is None:
+        set_model_state_dict(model, state[MODEL])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIMIZER])
 
 
-def load_whole(
-    checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+def set_full_state(
+    model: torch.nn.Module,
+    model_state: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> None:
-    """Load a whole checkpoint (a single file's, or a consolidated one) into `model` (and `optimizer`):
-    directly into a model that is not sharded, through `set_state_dict` into one that is (each process keeps
-    its shards of the full tensors)."""
+    """Load whole tensors (a single file's, or a consolidated checkpoint's) into the sharded `model` (and
+    `optimizer`, from `optimizer_state` in `torch.optim.Optimizer.state_dict`'s layout) through
+    `set_state_dict`: each process keeps its shards of them."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -222,29 +241,25 @@ def load_whole(
         set_state_dict,
     )
 
-    if not is_sharded_model(model):
-        checkpoint.load_into(model, optimizer)
-        return
     whole = StateDictOptions(full_state_dict=True)
-    if optimizer is None:
-        set_model_state_dict(model, checkpoint.model, options=whole)
+    if optimizer is None or optimizer_state is None:
+        set_model_state_dict(model, model_state, options=whole)
         return
-    if checkpoint.optimizer is None:
-        raise ScratchlmError("checkpoint has no optimizer state (an imported model): start a new run from it")
     names = [
         name
         for group in get_optimizer_state_dict(model, optimizer)["param_groups"]
         for name in group["params"]
     ]
-    named = optimizer_by_name(checkpoint.optimizer, names)
-    set_state_dict(model, optimizer, model_state_dict=checkpoint.model, optim_state_dict=named, options=whole)
+    named = optimizer_by_name(optimizer_state, names)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=named, options=whole)
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
     """Whether `model`'s parameters are sharded (DTensors: `fully_shard`)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    # Only a process that imported torch.distributed.tensor can hold DTensors; importing it to find out would
+    # cost inference (`generate`, `eval`) seconds.
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 def optimizer_by_position(named: dict[str, Any]) -> dict[str, Any]:
@@ -268,35 +283,3 @@ def optimizer_by_name(positional: dict[str, Any], names: list[str]) -> dict[str,
             {**g, "params": [names[i] for i in g["params"]]} for g in positional["param_groups"]
         ],
     }
-
-
-def export_checkpoint(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32") -> ExportResult:
-    """`scratchlm export --format checkpoint`: the checkpoint `trained` was loaded from (a sharded one,
-    consolidated) as a single file, every entry kept, so that it resumes, fine-tunes and loads anywhere a
-    single-file checkpoint does. The file is read back, and its model must give `trained`'s logits."""
-    from scratchlm.interop.formats import ExportResult
-    from scratchlm.interop.verify import check_logits
-    from scratchlm.io import check_output_file
-    from scratchlm.model.transformer import TransformerLM
-
-    if dtype != "f32":
-        raise ScratchlmError(
-            f"--format checkpoint keeps the weights as trained (f32); --dtype {dtype} does not apply"
-        )
-    out = Path(out)
-    check_output_file(out, inputs=[trained.checkpoint], previous=_is_checkpoint_file, what="a checkpoint")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Checkpoint.read(trained.checkpoint).save(out)
-    written = Checkpoint.read(out)
-    model = TransformerLM(written.model_config)
-    written.load_into(model)
-    difference = check_logits(trained.model.cpu(), model.eval(), f"the model of {out}")
-    return ExportResult(out, None, difference, loaded_as="a scratchlm checkpoint", checked_by="scratchlm")
-
-
-def _is_checkpoint_file(path: Path) -> bool:
-    try:
-        read_checkpoint(path)
-    except ScratchlmError:
-        return False
-    return True

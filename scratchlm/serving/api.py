@@ -56,17 +56,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, chat_template
 from scratchlm.errors import ScratchlmError
-from scratchlm.serving.engine import (
-    Engine,
-    Failed,
-    Finished,
-    PromptLogprobs,
-    QueueFull,
-    Sequence,
-    SequenceRequest,
-    Token,
-    TokenLogprob,
-)
+from scratchlm.generation.engine import Failed, Finished, PromptLogprobs, SequenceRequest, Token, TokenLogprob
+from scratchlm.serving.engine import Engine, QueueFull, Sequence
 from scratchlm.serving.requests import (
     APIError,
     CompletionRequest,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 from types import FrameType
 
@@ -33,11 +34,13 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
         super().__init__(config)
         self.engine = engine
+        self.stopped_by: str | None = None  # the signal that stopped it (SIGINT: Ctrl-C), for `serve` to say
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Without waiting: the signal may have interrupted the main thread while it holds the engine's
         # (reentrant) lock, which the scheduler thread needs to finish. `serve` waits for it afterwards.
         self.engine.stop("the server is shutting down", wait=False)
+        self.stopped_by = signal.Signals(sig).name
         super().handle_exit(sig, frame)
 
 

@@ -1,7 +1,7 @@
 """The training configuration: a TOML file, command-line overrides, validated key by key.
 
     [data]        train, valid (memory-mapped .npy token files), tokenizer (directory, optional): pretraining
-                  (scratchlm.training.inputs)
+                  (scratchlm.training.inputs, which registers it)
     [model]       the ModelConfig fields (shape and ablation switches)
     [optimizer]   name (adamw | sgd | muon), lr, min_lr, betas, eps, weight_decay, grad_clip, embedding_lr,
                   head_lr, muon_lr, muon_momentum, muon_nesterov, muon_ns_steps, muon_bf16, muon_weight_decay
@@ -9,8 +9,8 @@
     [schedule]    kind (cosine | wsd | linear), warmup_iters, cosine_cycle_iters (0: the run's last step),
                   decay_fraction (scratchlm.training.schedule: the section beside the registry of schedules)
     [training]    batch_size, grad_accum, max_steps or max_tokens, max_time_s, device, precision, threads,
-                  compile, seed, init_from, parallel (ddp | fsdp), reshard_after_forward,
-                  activation_checkpointing (scratchlm.parallel)
+                  compile, seed, init_from, parallel (ddp | fsdp: scratchlm.parallelisms),
+                  reshard_after_forward, activation_checkpointing (scratchlm.parallel)
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
@@ -22,39 +22,35 @@
 
 [data], [sft] and [rl] are stages' sections: a config holds exactly one, which says where the run's batches
 and its loss come from (`scratchlm.training.stage`); each is defined and registered beside its stage's code
-(the command of a stage imports it), and a config without one is pretraining's.
+(the command of a stage imports it; pretraining's, which this module names but never imports, the training
+package imports), and a config without one is pretraining's.
 
-Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`,
-the value read as a TOML literal, or as a plain string when it is not one: `training.device=cuda`) is checked
-against it: unknown keys are rejected with the list of known ones, a value of the wrong type names the key and
-the expected type. The resolved configuration (defaults filled in) is written back as TOML into the run
-directory, which is how every run records exactly what it trained with. `tomllib` only reads TOML, so the
-small writer for this flat two-level structure is here too.
+Every section is a dataclass; its field types are the schema. A file or an override (`section.key=value`) is
+read and checked against it by `scratchlm.training.config_reader`: unknown keys are rejected with the list of
+known ones, a value of the wrong type names the key and the expected type. The resolved configuration
+(defaults filled in) is written back as TOML into the run directory (`scratchlm.io.to_toml`), which is how
+every run records exactly what it trained with; what a resumed run may change of it is
+`scratchlm.training.start.CHANGEABLE_ON_RESUME`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tomllib
-import types
-import typing
-from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from scratchlm.errors import ScratchlmError
-from scratchlm.io import to_toml, toml_value
+from scratchlm.io import to_toml
 from scratchlm.model.config import ModelConfig
-from scratchlm.parallel import ParallelName
+from scratchlm.parallelisms import ParallelName
 from scratchlm.precisions import Precision
-from scratchlm.training.inputs import PRETRAINING
+from scratchlm.training.config_reader import build_section, parse_override, read_toml
 from scratchlm.training.optimizers import OptimizerConfig
 from scratchlm.training.recipes import merged
 from scratchlm.training.schedule import ScheduleConfig
-from scratchlm.training.stage import STAGES
+from scratchlm.training.stage import PRETRAINING, STAGES
 
 
 @dataclass(frozen=True)
@@ -123,15 +119,19 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def _section_type(name: str) -> type | None:
-    return SECTIONS.get(name) or (STAGES[name].config if name in STAGES else None)
+def _section_type(name: str, source: str) -> type:
+    """The dataclass of section `name`."""
+    if (found := SECTIONS.get(name) or (STAGES[name].config if name in STAGES else None)) is None:
+        raise _unknown_sections([name], source)
+    return found
 
 
-def _known() -> str:
-    """The sections a config may have: pretraining's first, then those of every config, then the other
-    stages' registered so far."""
-    others = [name for name in STAGES if name != PRETRAINING.section]
-    return ", ".join([PRETRAINING.section, *SECTIONS, *others])
+def _unknown_sections(names: list[str], source: str) -> ScratchlmError:
+    """The error for sections no config has, naming those it may have: pretraining's first, then those of every
+    config, then the other stages' registered so far."""
+    others = [stage for stage in STAGES if stage != PRETRAINING]
+    known = ", ".join([PRETRAINING, *SECTIONS, *others])
+    return ScratchlmError(f"{source}: unknown section(s) {', '.join(names)}; known: {known}")
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    stage: Any = field(default_factory=PRETRAINING.config)
+    stage: Any = field(default_factory=lambda: STAGES[PRETRAINING].config())
 
     def __getattr__(self, name: str) -> Any:
         """The stage's section by its name: `config.data`, `config.sft`."""
@@ -166,7 +166,7 @@ class TrainConfig:
         overrides: list[str] | tuple[str, ...] = (),
         defaults: dict[str, dict[str, Any]] | None = None,
         flags: dict[str, tuple[str, Any]] | None = None,
-        stage: str = PRETRAINING.section,
+        stage: str = PRETRAINING,
     ) -> TrainConfig:
         """Defaults (the dataclasses', then `defaults`: a command's own, such as fine-tuning's), then the TOML
         file at `path` (if any), then `flags`, then the `section.key=value` overrides. `flags` are a command's
@@ -179,7 +179,7 @@ class TrainConfig:
         settings = [(flag, *key.split(".", 1), value) for flag, (key, value) in (flags or {}).items()]
         settings += [(f"--set {override}", *parse_override(override)) for override in overrides]
         for name, section, key, value in settings:
-            _build_section(section, _section_type(section), {key: value}, name, construct=False)
+            build_section(section, _section_type(section, name), {key: value}, name, construct=False)
             values.setdefault(section, {})[key] = value
         given = [*(flags or {}), *(["--set overrides"] if overrides else [])]
         if given:
@@ -188,13 +188,13 @@ class TrainConfig:
 
     @classmethod
     def from_dict(
-        cls, values: dict[str, Any], source: str = "config", stage: str = PRETRAINING.section
+        cls, values: dict[str, Any], source: str = "config", stage: str = PRETRAINING
     ) -> TrainConfig:
         """The config of `values` (section -> key -> value); `stage`: the stage's section when `values` name
         none."""
         unknown = sorted(set(values) - set(SECTIONS) - set(STAGES))
         if unknown:
-            raise ScratchlmError(f"{source}: unknown section(s) {', '.join(unknown)}; known: {_known()}")
+            raise _unknown_sections(unknown, source)
         stages = [name for name in STAGES if name in values]
         if len(stages) > 1:
             raise ScratchlmError(
@@ -206,7 +206,7 @@ class TrainConfig:
             section_values = values.get(name, {})
             if not isinstance(section_values, dict):
                 raise ScratchlmError(f"{source}: [{name}] must be a table of settings")
-            sections[name] = _build_section(name, section_type, section_values, source)
+            sections[name] = build_section(name, section_type, section_values, source)
         config = cls(**{name: sections.pop(name) for name in SECTIONS}, stage=sections[stage])
         config._check(source)
         return config
@@ -290,7 +290,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Section -> key -> value, the stage's section first."""
         sections = {self.stage_name: self.stage} | {name: getattr(self, name) for name in SECTIONS}
-        return {name: _section_dict(section) for name, section in sections.items()}
+        return {name: section_dict(section) for name, section in sections.items()}
 
     def to_toml(self, notes: dict[str, str] | None = None) -> str:
         """The config as TOML; `notes` ("section.key" -> text) become comments after those keys."""
@@ -337,215 +337,11 @@ def training_section(overrides: list[str] | tuple[str, ...] = ()) -> TrainingCon
         if section != "training":
             raise ScratchlmError(f"--set {override}: without --config only training.* keys can be set")
         values[key] = value
-    return _build_section("training", TrainingConfig, values, "--set overrides")
+    return build_section("training", TrainingConfig, values, "--set overrides")
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """A TOML file's tables; a one-line error naming the file when it is missing, not a file, not UTF-8 or
-    not TOML."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ScratchlmError(f"config file {path} not found") from None
-    except IsADirectoryError:
-        raise ScratchlmError(f"config file {path} is a directory; expected a TOML file") from None
-    except UnicodeDecodeError as e:
-        raise ScratchlmError(
-            f"config file {path} is not UTF-8 text (byte {e.start}); expected a TOML file"
-        ) from None
-    except OSError as e:
-        raise ScratchlmError(f"config file {path} cannot be read: {e.strerror}") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ScratchlmError(f"config file {path} is not valid TOML: {e}") from None
-
-
-def given_keys(
-    path: str | os.PathLike | None,
-    overrides: list[str] | tuple[str, ...] = (),
-    flags: dict[str, tuple[str, Any]] | None = None,
-) -> set[str]:
-    """The `section.key` names a user set: in the TOML file at `path`, by a command's `flags` or by `--set`
-    (what `TrainConfig.load` merges over the defaults), so that a default chosen at run time can give way."""
-    given = {key for key, _ in (flags or {}).values()}
-    given |= {".".join(parse_override(o)[:2]) for o in overrides}
-    if path is not None:
-        tables = read_toml(Path(path)).items()
-        given |= {f"{s}.{k}" for s, table in tables if isinstance(table, dict) for k in table}
-    return given
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """`"optimizer.lr=3e-4"` -> ("optimizer", "lr", 0.0003); a value that is not a TOML literal is a string."""
-    key, sep, raw = text.partition("=")
-    section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not section or not name:
-        raise ScratchlmError(f"override {text!r} must look like section.key=value (e.g. optimizer.lr=3e-4)")
-    raw = raw.strip()
-    try:
-        value = tomllib.loads(f"value = {raw}")["value"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return section, name, value
-
-
-def _type_name(annotation: Any) -> str:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join("nothing" if a is type(None) else _type_name(a) for a in args)
-    if origin is tuple:
-        count = "" if args[-1] is Ellipsis else f"{len(args)} "
-        return f"a list of {count}" + _type_name(args[0]).removeprefix("a ").removeprefix("an ") + "s"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[annotation]
-
-
-def _coerce(value: Any, annotation: Any) -> Any:
-    """`value` as `annotation` (an int is a valid float, a list a valid tuple), or raise TypeError."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is Literal:
-        if value in args and type(value) is type(args[0]):
-            return value
-    elif origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        for option in args:
-            if option is not type(None):
-                try:
-                    return _coerce(value, option)
-                except TypeError:
-                    pass
-    elif origin is tuple:
-        if isinstance(value, list | tuple) and args[-1] is Ellipsis:  # tuple[T, ...]: any length
-            return tuple(_coerce(v, args[0]) for v in value)
-        if isinstance(value, list | tuple) and len(value) == len(args):
-            return tuple(_coerce(v, a) for v, a in zip(value, args, strict=True))
-    elif annotation is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, annotation):
-        return value
-    raise TypeError
-
-
-def _build_section(
-    name: str, section_type: type | None, values: dict[str, Any], source: str, construct: bool = True
-) -> Any:
-    """The section `name` built from `values`, each checked against its type; `construct=False` only checks."""
-    if section_type is None:
-        raise ScratchlmError(f"{source}: unknown section(s) {name}; known: {_known()}")
-    hints = typing.get_type_hints(section_type)
-    known = [f.name for f in dataclasses.fields(section_type)]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ScratchlmError(
-            f"{source}: unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
-            f"[{name}] accepts: {', '.join(known)}"
-        )
-    checked = {}
-    for key, value in values.items():
-        try:
-            checked[key] = _coerce(value, hints[key])
-        except TypeError:
-            raise ScratchlmError(
-                f"{source}: {name}.{key} must be {_type_name(hints[key])}, got {value!r}"
-            ) from None
-    return section_type(**checked) if construct else None  # ModelConfig checks its own ranges, naming the key
-
-
-def _section_dict(section: Any) -> dict[str, Any]:
+def section_dict(section: Any) -> dict[str, Any]:
+    """A section's keys and values (a model config's as it writes them)."""
     if isinstance(section, ModelConfig):
         return section.to_dict()
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-
-
-# Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where
-# and how fast it runs (model.attention and the parallelism included), and how often it evaluates, checkpoints and logs (and init_from, which only a new run
-# reads). Every other key shapes what the run computes, so a silent change would make one run of two
-# different experiments.
-CHANGEABLE_ON_RESUME = (
-    "training.max_steps",
-    "training.max_tokens",
-    "training.max_time_s",
-    "training.device",
-    "training.precision",
-    "training.threads",
-    "training.compile",
-    "training.fused_loss",
-    "training.parallel",
-    "training.reshard_after_forward",
-    "training.activation_checkpointing",
-    "model.attention",
-    "training.init_from",
-    "eval.interval",
-    "eval.iters",
-    "checkpoint.interval",
-    "checkpoint.keep",
-    "logging.*",  # every logging key
-)
-
-
-def config_changes(
-    recorded: dict[str, Any],
-    current: TrainConfig | dict[str, Any],
-    sections: Container[str] | None = None,
-    changeable: Container[str] = CHANGEABLE_ON_RESUME,
-) -> list[str]:
-    """`["optimizer.lr: 0.001 -> 0.0003", ...]`: `config_differences` as one line each."""
-    return [
-        f"{key}: {_shown(before)} -> {_shown(after)}"
-        for key, before, after in config_differences(recorded, current, sections, changeable)
-    ]
-
-
-def config_differences(
-    recorded: dict[str, Any],
-    current: TrainConfig | dict[str, Any],
-    sections: Container[str] | None = None,
-    changeable: Container[str] = CHANGEABLE_ON_RESUME,
-) -> list[tuple[str, Any, Any]]:
-    """`[("optimizer.lr", 0.001, 0.0003), ...]`: the keys, other than `changeable`, whose values in `current`
-    differ from the config a run recorded (a `to_dict()` or a parsed config.toml), with both values. A key the
-    record lacks (a config written before the key existed, or a None that TOML cannot hold) counts as its
-    default.
-
-    This is the one comparison of configs: a resumed run against its record (every section, less
-    `CHANGEABLE_ON_RESUME`), `training.init_from` against the model it starts from (`sections=("model",)`,
-    less the fields that only choose how it is computed), and the quickstart's run against its recipe.
-    `changeable` holds "section.key" names, or "section.*" for a whole section. Only the sections of `current`
-    are compared: a record of another stage's section (one written when every config held every stage's) is
-    not a difference."""
-    defaults = {name: _section_dict(stage.config()) for name, stage in STAGES.items()}
-    before = {**_flat(defaults | TrainConfig().to_dict()), **_flat(recorded)}
-    after = _flat(current if isinstance(current, dict) else current.to_dict())
-    compared = {key.partition(".")[0] for key in after}
-    return [
-        (key, before.get(key), after.get(key))
-        for key in [
-            *after,
-            *(key for key in before if key not in after and key.partition(".")[0] in compared),
-        ]
-        if before.get(key) != after.get(key)
-        and (sections is None or key.partition(".")[0] in sections)
-        and key not in changeable
-        and f"{key.partition('.')[0]}.*" not in changeable
-    ]
-
-
-def _flat(values: dict[str, Any]) -> dict[str, Any]:
-    """`{"optimizer": {"lr": 1e-3}}` -> `{"optimizer.lr": 1e-3}`, tuples as lists (TOML reads lists)."""
-    return {
-        f"{section}.{key}": list(value) if isinstance(value, tuple) else value
-        for section, entries in values.items()
-        if isinstance(entries, dict)
-        for key, value in entries.items()
-    }
-
-
-def _shown(value: Any) -> str:
-    return "(unset)" if value is None else toml_value(value)

@@ -13,7 +13,7 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import check_pair
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
+from scratchlm.training.stage import PRETRAINING, Stage, TrainingData, check_run_tokenizer, register_stage
 
 if TYPE_CHECKING:
     from scratchlm.training.config import TrainConfig
@@ -43,7 +43,7 @@ def load_token_windows(config: TrainConfig, run_dir: RunDirectory) -> TrainingDa
     )
 
 
-PRETRAINING = register_stage(Stage("data", DataConfig, load_token_windows))
+register_stage(Stage(PRETRAINING, DataConfig, load_token_windows))
 
 
 def _load_tokenizer(config: TrainConfig, run_dir: RunDirectory) -> Tokenizer | None:

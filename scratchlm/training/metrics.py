@@ -8,8 +8,8 @@ record, so a crashed run keeps its curve; on resume, records past the checkpoint
 those steps are about to be trained again.
 
 The MFU (model FLOPs utilisation) estimate divides the model's training FLOPs per second
-(`ModelConfig.flops_per_token`: 3 × the forward matmuls, about 6·N + 12·L·d·T as in the PaLM paper's
-appendix B) by the accelerator's peak.
+(`scratchlm.model.accounting.flops_per_token`: 3 × the forward matmuls, about 6·N + 12·L·d·T as in the
+PaLM paper's appendix B) by the accelerator's peak.
 """
 
 from __future__ import annotations

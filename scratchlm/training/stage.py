@@ -92,6 +92,10 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {}
+# Pretraining's section, the stage of a config that names none. Its stage (scratchlm.training.inputs) is
+# registered by the training package's `__init__`, so that every config knows it, while the config module
+# names it here and never imports it (the inputs read token files, which a config does not need).
+PRETRAINING = "data"
 
 
 def register_stage(stage: Stage) -> Stage:

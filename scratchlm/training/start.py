@@ -4,13 +4,16 @@ another run (`training.init_from`).
 A checkpoint holds the model, the optimizer, the step, the sampling generator's state, torch's RNG state, the
 elapsed time, the time budget's decision and (fp16) the loss scale, so a resumed run continues exactly: on CPU,
 N steps, resume, N steps gives bit-for-bit the parameters of 2N steps in one go. A resumed run must keep the
-config it trained with, beyond `CHANGEABLE_ON_RESUME`, unless `--allow-config-change`.
+config it trained with, beyond `CHANGEABLE_ON_RESUME` (here, with `config_differences`, the one comparison of
+configs), unless `--allow-config-change`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,15 +23,16 @@ import torch
 
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
+from scratchlm.io import toml_value
 from scratchlm.model.config import COMPUTATION_FIELDS
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint, TrainingState
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import check_pair, find_checkpoint
-from scratchlm.run.sharded import load_sharded, load_whole, read_state
+from scratchlm.run.load import check_pair, find_checkpoint, load_checkpoint, read_any
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
-from scratchlm.training.config import TrainConfig, config_changes, config_differences, read_toml
+from scratchlm.training.config import TrainConfig, section_dict
+from scratchlm.training.config_reader import read_toml
 from scratchlm.training.distributed import Distributed, all_reduce
 from scratchlm.training.stage import STAGES
 
@@ -79,7 +83,7 @@ def restore(
         raise ScratchlmError(
             f"{existing} has no training state to resume: start a new run from it (training.init_from)"
         )
-    _load_checkpoint(existing, checkpoint, model, optimizer)
+    load_checkpoint(checkpoint, model, optimizer)  # a sharded one's shards: each process its own
     fresh.generator.bit_generator.state = training.data_rng
     torch.set_rng_state(training.torch_rng)
     if device.type == "cuda" and training.cuda_rng is not None:
@@ -126,7 +130,7 @@ def start_from_weights(
     and its tokenizer, when both are known, this run's. A stage that grows the vocabulary (fine-tuning to
     chat, which adds the chat template's tokens) gets rows for them (`grow_vocabulary`)."""
     path, _ = find_checkpoint(config.training.init_from)
-    checkpoint = Checkpoint.read(path)
+    checkpoint = read_any(path)
     base_vocab = checkpoint.model_config.vocab_size
     grows_vocabulary = STAGES[config.stage_name].grows_vocabulary
     grows = grows_vocabulary and base_vocab < config.model.vocab_size
@@ -157,7 +161,7 @@ def start_from_weights(
         checkpoint = dataclasses.replace(
             checkpoint, model=grow_vocabulary(checkpoint.model, config.model.vocab_size)
         )
-    load_whole(checkpoint, model)  # sharded or not
+    load_checkpoint(checkpoint, model)  # sharded or not
     if dist.is_main:
         console.print(f"starting from the weights of {path} (step {checkpoint.step}), fresh optimizer")
         if grows:
@@ -191,8 +195,8 @@ def _newest_intact_checkpoint(
     as `NAME.damaged` (kept for inspection) so that `generate` or `eval` never pick them up."""
     damaged: list[Path] = []
     for path in reversed(run_dir.checkpoints()):
-        try:  # a sharded checkpoint: checked whole, its shards read later by each process (`_load_checkpoint`)
-            return path, read_state(path) if path.is_dir() else Checkpoint.read(path), damaged
+        try:  # a sharded checkpoint: checked whole, its shards read later by each process (`load_checkpoint`)
+            return path, read_any(path, whole=False), damaged
         except ScratchlmError as e:
             if dist.is_main:
                 console.print(f"{e}; trying the checkpoint before it", style="yellow")
@@ -201,17 +205,6 @@ def _newest_intact_checkpoint(
         f"no intact checkpoint in {run_dir.checkpoints_dir} ({len(damaged)} damaged, the newest "
         f"{damaged[0].name}); nothing was changed. Start a new run in another logging.run_dir"
     )
-
-
-def _load_checkpoint(
-    path: Path, checkpoint: Checkpoint, model: TransformerLM, optimizer: torch.optim.Optimizer
-) -> None:
-    """Load the checkpoint read from `path` into `model` and `optimizer`, whether either is sharded or not
-    (`scratchlm.run.sharded`): a sharded checkpoint's shards are read here, each process its own."""
-    if path.is_dir():
-        load_sharded(path, model, optimizer)
-    else:
-        load_whole(checkpoint, model, optimizer)
 
 
 def layout_change(path: Path, training: TrainingState, config: TrainConfig, dist: Distributed) -> str | None:
@@ -260,3 +253,99 @@ def _check_config_changes(
         )
     if changes and dist.is_main:
         console.print(f"resuming with a changed config: {'; '.join(changes)}", style="yellow")
+
+
+# Keys a resumed run may change without --allow-config-change: its budget (to extend or shorten it), where
+# and how fast it runs (model.attention and the parallelism included), and how often it evaluates,
+# checkpoints and logs (and init_from, which only a new run reads). Every other key shapes what the run
+# computes, so a silent change would make one run of two different experiments.
+CHANGEABLE_ON_RESUME = (
+    "training.max_steps",
+    "training.max_tokens",
+    "training.max_time_s",
+    "training.device",
+    "training.precision",
+    "training.threads",
+    "training.compile",
+    "training.fused_loss",
+    "training.parallel",
+    "training.reshard_after_forward",
+    "training.activation_checkpointing",
+    "model.attention",
+    "training.init_from",
+    "eval.interval",
+    "eval.iters",
+    "checkpoint.interval",
+    "checkpoint.keep",
+    "logging.*",  # every logging key
+)
+
+
+def config_changes(
+    recorded: dict[str, Any],
+    current: TrainConfig | dict[str, Any],
+    sections: Container[str] | None = None,
+    changeable: Container[str] = CHANGEABLE_ON_RESUME,
+) -> list[str]:
+    """`["optimizer.lr: 0.001 -> 0.0003", ...]`: `config_differences` as one line each."""
+    return [
+        f"{key}: {_shown(before)} -> {_shown(after)}"
+        for key, before, after in config_differences(recorded, current, sections, changeable)
+    ]
+
+
+def config_differences(
+    recorded: dict[str, Any],
+    current: TrainConfig | dict[str, Any],
+    sections: Container[str] | None = None,
+    changeable: Container[str] = CHANGEABLE_ON_RESUME,
+) -> list[tuple[str, Any, Any]]:
+    """`[("optimizer.lr", 0.001, 0.0003), ...]`: the keys, other than `changeable`, whose values in `current`
+    differ from the config a run recorded (a `to_dict()` or a parsed config.toml), with both values. A key the
+    record lacks (a config written before the key existed, or a None that TOML cannot hold) counts as its
+    default.
+
+    This is the one comparison of configs: a resumed run against its record (every section, less
+    `CHANGEABLE_ON_RESUME`), `training.init_from` against the model it starts from (`sections=("model",)`,
+    less the fields that only choose how it is computed), and the quickstart's run against its recipe.
+    `changeable` holds "section.key" names, or "section.*" for a whole section. Only the sections of `current`
+    are compared: a record of another stage's section (one written when every config held every stage's) is
+    not a difference. Two spellings of one path (relative and absolute, `runs/x` and `./runs/x/`) are the same
+    value: a file named either way is the same file."""
+    defaults = {name: section_dict(stage.config()) for name, stage in STAGES.items()}
+    before = {**_flat(defaults | TrainConfig().to_dict()), **_flat(recorded)}
+    after = _flat(current if isinstance(current, dict) else current.to_dict())
+    compared = {key.partition(".")[0] for key in after}
+    return [
+        (key, before.get(key), after.get(key))
+        for key in [
+            *after,
+            *(key for key in before if key not in after and key.partition(".")[0] in compared),
+        ]
+        if not _same(before.get(key), after.get(key))
+        and (sections is None or key.partition(".")[0] in sections)
+        and key not in changeable
+        and f"{key.partition('.')[0]}.*" not in changeable
+    ]
+
+
+def _flat(values: dict[str, Any]) -> dict[str, Any]:
+    """`{"optimizer": {"lr": 1e-3}}` -> `{"optimizer.lr": 1e-3}`, tuples as lists (TOML reads lists)."""
+    return {
+        f"{section}.{key}": list(value) if isinstance(value, tuple) else value
+        for section, entries in values.items()
+        if isinstance(entries, dict)
+        for key, value in entries.items()
+    }
+
+
+def _shown(value: Any) -> str:
+    return "(unset)" if value is None else toml_value(value)
+
+
+def _same(before: Any, after: Any) -> bool:
+    """Equal values, or two non-empty strings that name the same path from here (`os.path.realpath`)."""
+    if before == after:
+        return True
+    strings = isinstance(before, str) and isinstance(after, str) and before and after
+    return bool(strings) and os.path.realpath(before) == os.path.realpath(after)

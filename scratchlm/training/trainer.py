@@ -12,9 +12,10 @@ A session is made of components, each built by a function of the config before t
                         the rest (precision, autocast, loss scaling, the fused loss) is the device plan's
                                                                                              (scratchlm.device)
 
-`build_session` puts them together; `_Run` holds them and runs the loop, which calls the step (step.py) and
-the reporting (report.py). `training.batch_size` is the global batch: sequences per optimizer step over all
-processes and micro-batches, so `tokens = steps × batch_size × context_length` whatever the hardware.
+`build_session` puts them together; `_Run` holds them and runs the loop, which calls the step (step.py), the
+measurements of its log and evaluation steps (monitor.py) and the reporting (report.py).
+`training.batch_size` is the global batch: sequences per optimizer step over all processes and micro-batches,
+so `tokens = steps × batch_size × context_length` whatever the hardware.
 
 Ctrl-C (SIGINT), SIGTERM and SIGHUP finish the current step, save a checkpoint and raise `Interrupted`
 (signals.py); so does the wall-clock budget `max_time_s` (counted across resumes), which returns normally. With
@@ -38,16 +39,16 @@ import torch
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.console import ConsoleLog, console
 from scratchlm.device import Plan, apply_threads, plan, resolve_device
-from scratchlm.device.choices import ThreadTuner
 from scratchlm.errors import DivergedError, Interrupted, ScratchlmError
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.parallel import Execution, parallelize
+from scratchlm.parallel import Execution, ParallelSettings, parallelize
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.sharded import save_sharded
 from scratchlm.run.summary import RunSummary, StopReason
 from scratchlm.training.config import TrainConfig, TrainingConfig
 from scratchlm.training.distributed import Distributed, all_reduce, init_distributed, shutdown_distributed
 from scratchlm.training.loss_scale import LossScaler
+from scratchlm.training.monitor import Monitor
 from scratchlm.training.optimizers import build_optimizer
 from scratchlm.training.report import Interval, Reporter, how_to_resume
 from scratchlm.training.signals import StopRequest
@@ -115,10 +116,15 @@ def build_model(config: TrainConfig, device: torch.device) -> TransformerLM:
 def build_execution(
     model: TransformerLM, training: TrainingConfig, choices: Plan, device: torch.device, dist: Distributed
 ) -> Execution:
-    """How the model runs (`scratchlm.parallel.parallelize`): its blocks checkpointed where
-    `training.activation_checkpointing`, compiled where the plan says, and under several processes
-    DistributedDataParallel or FSDP (`training.parallel`)."""
-    return parallelize(model, training, choices, device, dist)
+    """How the model runs (`scratchlm.parallel.parallelize`, given the plain values it uses): its blocks
+    checkpointed where `training.activation_checkpointing`, compiled where the plan says, and under several
+    processes DistributedDataParallel or FSDP (`training.parallel`)."""
+    if not dist.enabled and training.parallel != "ddp" and dist.is_main:
+        console.print(f'training.parallel = "{training.parallel}" in one process: ignored')
+    settings = ParallelSettings(
+        dist.world_size, choices.dtype, choices.compile.value, training.reshard_after_forward
+    )
+    return parallelize(model, training.parallel, device, settings, training.activation_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -185,8 +191,9 @@ class _Run:
         self.stop_signal = 0  # the signal that interrupted the run, once the processes agree on one
         self.stopped = StopReason.FINISHED
         self.final_train_loss: float | None = None
-        self.final_val_loss: float | None = None
-        self.last_eval: int | None = None
+        self.monitor = Monitor(
+            self.config, self.dist, self.choices, self.stage, self.data, model, stepper, self.report
+        )
 
     def run(self) -> RunSummary:
         if self.step >= self.budget.total_steps:
@@ -206,10 +213,12 @@ class _Run:
                         if at_log or at_save:  # a checkpoint is written only after this finiteness check
                             self.final_train_loss, grad_norm = self.interval.means(self.step, self.run_dir)
                         if at_log:
-                            self._log_train(self.final_train_loss, grad_norm)
+                            self.monitor.log_train(
+                                self.step, self._elapsed(), self.interval, self.final_train_loss, grad_norm
+                            )
                         with self.interval.pause():
                             if at_eval and config.eval.iters:
-                                self._evaluate()
+                                self.monitor.evaluate(self.step, self._elapsed())
                             if at_save:
                                 self._save()
                         if self._maybe_stop(at_log):
@@ -245,7 +254,6 @@ class _Run:
         self.report.open(parameters, self.data.tokenizer, self.budget, self.step, self.elapsed_before)
         self.session_start = clock()
         self.interval = Interval(self.device, clock)
-        self.threads = ThreadTuner(self.choices.threads, compiled=self.choices.compile.value)
 
     def _elapsed(self) -> float:
         """Seconds of training in this run, over all its sessions."""
@@ -268,38 +276,6 @@ class _Run:
             decision = None if self.dist.enabled else self.budget.revise(self.step, self._elapsed())
         if decision is not None:
             self.report.decision(self.step, self._elapsed(), decision, revised, self.budget)
-
-    def _log_train(self, loss: float, grad_norm: float | None) -> None:
-        """Log the interval that ends at this step, and start the next."""
-        tokens_per_s = self.interval.close(self.tokens_per_step)
-        if (change := self.threads.update()) is not None:
-            self.report.note(change)
-        peak = self.choices.peak_flops.value
-        flops = tokens_per_s * self.config.model.flops_per_token
-        scaler = self.stepper.scaler
-        self.report.train(
-            self.step,
-            self._elapsed(),
-            train_loss=loss,
-            lr=self.stepper.optimizer.param_groups[0]["lr"],
-            grad_norm=grad_norm,
-            tokens_per_s=tokens_per_s,
-            mfu=flops / (peak * self.dist.world_size) if peak else None,
-            # fp16: the scale, and the steps skipped so far for overflowed gradients
-            loss_scale=scaler.scale if scaler.enabled else None,
-            skipped_steps=scaler.skipped if scaler.enabled else None,
-            **(self.stage.train_metrics(self.data.train) if self.stage.train_metrics else {}),
-        )
-
-    def _evaluate(self) -> None:
-        """The stage's validation: the loss of the validation batches, or the stage's own measure."""
-        self.last_eval = self.step
-        if (evaluate := self.stage.evaluate) is not None:
-            self.report.evaluation(self.step, self._elapsed(), None, **evaluate(self.data.valid, self.model))
-            return
-        loss = self.stepper.validation_loss(self.data.valid)
-        self.final_val_loss = loss
-        self.report.evaluation(self.step, self._elapsed(), loss)
 
     def _maybe_stop(self, at_log: bool) -> bool:
         """Whether to stop early, for a signal or the time budget. Several processes must agree, which they do
@@ -352,10 +328,10 @@ class _Run:
         if (
             self.config.eval.iters
             and self.step > self.start_step
-            and self.last_eval != self.step
+            and self.monitor.last_eval != self.step
             and not interrupted
         ):
-            self._evaluate()
+            self.monitor.evaluate(self.step, self._elapsed())
         if self.step != self.last_saved:
             self._save()
 
@@ -373,7 +349,7 @@ class _Run:
         return summary
 
     def _summary(self, wall_time_s: float, tokens_per_s: float | None) -> RunSummary:
-        losses = {"final_train_loss": self.final_train_loss, "final_val_loss": self.final_val_loss}
+        losses = {"final_train_loss": self.final_train_loss, "final_val_loss": self.monitor.final_val_loss}
         return RunSummary(
             str(self.run_dir), self.step, self.step * self.tokens_per_step, wall_time_s, **losses,
             tokens_per_s=tokens_per_s, parameters=self.model.num_parameters(), stopped=self.stopped,

@@ -43,7 +43,7 @@ The loss of a batch is the mean of L_i over the rows of the groups that teach so
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -70,12 +70,45 @@ def uniform_groups(rewards: Float[Tensor, "groups size"]) -> Bool[Tensor, " grou
     return rewards.amax(dim=-1) == rewards.amin(dim=-1)
 
 
+# Positions whose logits one float32 chunk holds: 2^24 floats (64 MiB) whatever the vocabulary.
+CHUNK_FLOATS = 1 << 24
+
+
+def _chunks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, CHUNK_FLOATS // vocab)
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+class _LogSumExp(torch.autograd.Function):
+    """logsumexp over the last dimension, in float32, a chunk of positions at a time in both directions: the
+    float32 form of bf16 or fp16 logits exists one chunk at a time, and the backward pass keeps only the logits
+    (which the forward pass through the head keeps anyway) and the result."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Float[Tensor, "... vocab"]) -> Float[Tensor, "..."]:
+        flat = logits.reshape(-1, logits.shape[-1])
+        result = torch.empty(len(flat), dtype=torch.float32, device=logits.device)
+        for rows in _chunks(len(flat), flat.shape[-1]):
+            result[rows] = torch.logsumexp(flat[rows].float(), dim=-1)
+        ctx.save_for_backward(logits, result)
+        return result.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Float[Tensor, "..."]) -> Float[Tensor, "... vocab"]:
+        logits, result = ctx.saved_tensors
+        flat, grad = logits.reshape(-1, logits.shape[-1]), grad.reshape(-1)
+        grad_logits = torch.empty_like(flat)
+        for rows in _chunks(len(flat), flat.shape[-1]):  # d logsumexp / d logits = softmax
+            grad_logits[rows] = torch.exp(flat[rows].float() - result[rows, None]) * grad[rows, None]
+        return grad_logits.view(logits.shape)
+
+
 def token_logprobs(
     logits: Float[Tensor, "... seq vocab"], targets: Int[Tensor, "... seq"]
 ) -> Float[Tensor, "... seq"]:
-    """log softmax(logits)[target] at each position, in float32."""
-    logits = logits.float()
-    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    """log softmax(logits)[target] at each position, in float32: the target's logit less the logsumexp over the
+    vocabulary (`_LogSumExp`), so that bf16 or fp16 logits are never copied whole to float32."""
+    return logits.gather(-1, targets[..., None])[..., 0].float() - _LogSumExp.apply(logits)
 
 
 def kl_estimate(
@@ -86,10 +119,16 @@ def kl_estimate(
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+@torch.no_grad()
 def token_entropy(logits: Float[Tensor, "... seq vocab"]) -> Float[Tensor, "... seq"]:
-    """The entropy −Σ p log p of the next-token distribution at each position, in float32."""
-    logprobs = logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-    return -(logprobs.exp() * logprobs).sum(dim=-1)
+    """The entropy −Σ p log p of the next-token distribution at each position, in float32, a chunk of positions
+    at a time (a metric: no gradient)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    entropy = torch.empty(len(flat), dtype=torch.float32, device=logits.device)
+    for rows in _chunks(len(flat), flat.shape[-1]):
+        logprobs = torch.log_softmax(flat[rows].float(), dim=-1)
+        entropy[rows] = -(logprobs.exp() * logprobs).sum(dim=-1)
+    return entropy.view(logits.shape[:-1])
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ loop underneath.
 
     chat run (sft, or any run whose tokenizer carries a chat template) + prompts with answers (JSONL)
       -> each step: `training.batch_size / rl.group_size` prompts drawn, `rl.group_size` replies sampled to
-         each by the serving engine (`rollouts`), each scored by the reward (`rewards`)
-      -> the replies' tokens under the sampling policy and the starting model (the KL, penalised with
-         `rl.kl_coef`)
+         each by the batched decoding engine (`rollouts`), each scored by the reward (`rewards`)
+      -> packed into rows (`packing`); the replies' tokens under the sampling policy (only where
+         `rl.epochs_per_batch` > 1) and the starting model (only where `rl.kl_coef` > 0)
       -> `rl.epochs_per_batch` optimizer steps on the clipped policy-gradient loss (`objective`), the rows of
          groups whose rewards were all equal left out
 
@@ -26,10 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
-from scratchlm.chat.conversations import read_message_lines
 from scratchlm.chat.rl.objective import (
     LengthNorm,
     group_advantages,
@@ -40,17 +39,20 @@ from scratchlm.chat.rl.objective import (
     token_logprobs,
     uniform_groups,
 )
+from scratchlm.chat.rl.packing import Rollouts, pack
+from scratchlm.chat.rl.prompts import Prompt, read_prompts
 from scratchlm.chat.rl.rewards import Reward, load_reward, score
 from scratchlm.chat.rl.rollouts import sample_replies
 from scratchlm.chat.sft import held_out_split
-from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, Message, chat_template
+from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, chat_template
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.training.config import TrainConfig, read_toml
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.config_reader import read_toml
 from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
 
 # What reinforcement learning changes from pretraining's defaults: AdamW at a low rate and no weight decay (the
@@ -141,6 +143,10 @@ def rl_config(
 
 def _base(base: str) -> tuple[Any, Tokenizer]:
     """The base's model config and its tokenizer, which must carry a chat template."""
+    if not Path(base).exists():  # named as the command's flag and the config's key, which both set it
+        raise ScratchlmError(
+            f"--base (rl.base) {base}: not found: expected a chat run directory or checkpoint"
+        )
     trained = load_trained(base, "cpu")
     if trained.tokenizer is None or chat_template(trained.tokenizer) is None:
         raise ScratchlmError(
@@ -148,58 +154,6 @@ def _base(base: str) -> tuple[Any, Tokenizer]:
             "(`scratchlm sft`)"
         )
     return trained.model.config, trained.tokenizer
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A conversation up to the question, what the reward checks the reply against, and its `file:line`."""
-
-    messages: list[Message]
-    answer: str
-    where: str
-
-
-def read_prompts(path: str | os.PathLike) -> list[Prompt]:
-    """The prompts of a JSONL file, each line checked: the conversation must end with the user's turn, and
-    `answer` must be a string (or a number, read as its text)."""
-    prompts = []
-    for where, record, messages in read_message_lines(path, "prompt"):
-        if messages[-1].role != "user":
-            raise ScratchlmError(
-                f"{where}: the conversation must end with the user's question, not {messages[-1].role}"
-            )
-        answer = record.get("answer")
-        if isinstance(answer, int | float) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(answer, str):
-            raise ScratchlmError(f'{where}: no "answer" string (what the reward checks the reply against)')
-        prompts.append(Prompt(messages, answer, where))
-    return prompts
-
-
-@dataclass(frozen=True)
-class Rollouts:
-    """The replies of a batch that its loss sees (`PromptSet.draw`), one a row, right-padded: `inputs` and
-    `targets` (the prompt and reply, shifted by one), `mask` (the targets that are the reply's), the replies'
-    token log-probabilities under the sampling policy and the starting model, each row's advantage, and
-    whether its group teaches (`counted`). Sliced by row for the micro-batches."""
-
-    inputs: Int[Tensor, "rows seq"]
-    targets: Int[Tensor, "rows seq"]
-    mask: Bool[Tensor, "rows seq"]
-    old_logprobs: Float[Tensor, "rows seq"]
-    ref_logprobs: Float[Tensor, "rows seq"]
-    advantages: Float[Tensor, " rows"]
-    counted: Bool[Tensor, " rows"]
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-    def __getitem__(self, rows: slice) -> Rollouts:
-        return Rollouts(
-            self.inputs[rows], self.targets[rows], self.mask[rows], self.old_logprobs[rows],
-            self.ref_logprobs[rows], self.advantages[rows], self.counted[rows],
-        )  # fmt: skip
 
 
 class PromptSet:
@@ -238,6 +192,10 @@ class PromptSet:
         self.clip_stats: list[
             tuple[int, int]
         ] = []  # (clipped, counted) reply tokens of the losses since then
+        # Summed over the reply tokens of the batches since then, at the policy that sampled them: the entropy,
+        # the KL to the starting model (with a penalty only), and the tokens.
+        self.measured: dict[str, Tensor] = {}
+        self.unmeasured = 0  # rows of the last batch whose first loss pass is still to come
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -277,38 +235,44 @@ class PromptSet:
         teaching = (~uniform).repeat_interleave(s.group_size)
         kept = teaching.nonzero()[:, 0].tolist() if teaching.any() else list(range(batch_size))
         device = next(policy.parameters()).device
-        rows = [self.ids[indices[r]] + replies[r] for r in kept]
-        width = max(len(row) for row in rows) - 1
-        inputs = torch.zeros(len(rows), width, dtype=torch.long)
-        targets = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for k, (r, row) in enumerate(zip(kept, rows, strict=True)):
-            inputs[k, : len(row) - 1] = torch.tensor(row[:-1])
-            targets[k, : len(row) - 1] = torch.tensor(row[1:])
-            mask[k, len(self.ids[indices[r]]) - 1 : len(row) - 1] = True
-        inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
+        inputs, targets, mask = pack([self.ids[indices[r]] for r in kept], [replies[r] for r in kept], device)
+        # The loss's first pass is at the sampling policy: its log-probabilities are π_old's where the batch takes
+        # one step, and it measures the entropy and KL. Only a second step needs π_old's kept from a pass here,
+        # and only a KL penalty the starting model's.
+        old_logprobs = ref_logprobs = None
         with torch.no_grad():
-            logits = policy(inputs)
-            old_logprobs = token_logprobs(logits, targets)
-            if self.reference is None:
-                self.reference = load_trained(s.base, device).model
-            ref_logprobs = token_logprobs(self.reference(inputs), targets)
-            # How far the policy is from the start, and how sure it is, over the reply tokens kept.
-            kl = (kl_estimate(old_logprobs, ref_logprobs) * mask).sum() / mask.sum()
-            entropy = (token_entropy(logits) * mask).sum() / mask.sum()
+            if self.passes > 1:
+                old_logprobs = token_logprobs(policy(inputs), targets)
+            if s.kl_coef > 0:
+                if self.reference is None:
+                    self.reference = load_trained(s.base, device).model
+                ref_logprobs = token_logprobs(self.reference(inputs), targets)
         advantages = group_advantages(rewards, s.normalize_std).flatten()[kept].to(device)
         self.batch_stats.append(
             {
                 "reward": rewards.mean().item(),
                 "uniform_groups": uniform.float().mean().item(),
                 "reply_tokens": float(np.mean([len(reply) for reply in replies])),
-                "kl": kl.item(),
-                "entropy": entropy.item(),
             }
         )
-        return Rollouts(
-            inputs, targets, mask, old_logprobs, ref_logprobs, advantages, teaching[kept].to(device)
+        rollouts = Rollouts(
+            inputs, targets, mask, advantages, teaching[kept].to(device), old_logprobs, ref_logprobs
         )
+        self.unmeasured = len(rollouts)
+        if not teaching.any():  # no loss pass will come: measure with a pass of its own
+            with torch.no_grad():
+                logits = policy(inputs)
+                self._measure(rollouts, logits, token_logprobs(logits, targets))
+        return rollouts
+
+    def _measure(self, rows: Rollouts, logits: Float[Tensor, "rows seq vocab"], logprobs: Tensor) -> None:
+        """Add the entropy and (with a reference) the KL over the reply tokens of `rows` to `measured`."""
+        self.unmeasured -= len(rows)
+        sums = {"entropy": (token_entropy(logits) * rows.mask).sum(), "tokens": rows.mask.sum()}
+        if rows.ref_logprobs is not None:
+            sums["kl"] = (kl_estimate(logprobs.detach(), rows.ref_logprobs) * rows.mask).sum()
+        for key, value in sums.items():
+            self.measured[key] = self.measured.get(key, 0) + value.detach()
 
     def counted(self, rows: Rollouts) -> int:
         """The replies the loss counts: those of groups whose rewards differ."""
@@ -320,8 +284,11 @@ class PromptSet:
         s = self.settings
         logits = model(rows.inputs)
         logprobs = token_logprobs(logits, rows.targets)
+        if self.unmeasured > 0:
+            self._measure(rows, logits, logprobs)
+        old_logprobs = logprobs.detach() if rows.old_logprobs is None else rows.old_logprobs
         result = policy_loss(
-            logprobs, rows.old_logprobs, rows.advantages, rows.mask, s.clip_eps, s.length_norm,
+            logprobs, old_logprobs, rows.advantages, rows.mask, s.clip_eps, s.length_norm,
             s.max_reply_tokens, rows.ref_logprobs, s.kl_coef,
         )  # fmt: skip
         tokens = rows.mask & rows.counted[:, None]
@@ -332,11 +299,13 @@ class PromptSet:
         """The `TrainRecord` fields of the batches since the last call: means of the reward, the share of
         uniform groups, the reply length, the KL to the starting model and the entropy per reply token; the share
         of the counted reply tokens the clip cut, over every pass."""
-        batches, clips = self.batch_stats, self.clip_stats
-        self.batch_stats, self.clip_stats = [], []
+        batches, clips, measured = self.batch_stats, self.clip_stats, self.measured
+        self.batch_stats, self.clip_stats, self.measured = [], [], {}
         if not batches:
             return {}
         values = {key: float(np.mean([b[key] for b in batches])) for key in batches[0]}
+        tokens = measured.pop("tokens").item() if measured else 0
+        values.update({key: total.item() / tokens for key, total in measured.items() if tokens})
         counted = sum(tokens for _, tokens in clips)
         values["clip_fraction"] = sum(clipped for clipped, _ in clips) / counted if counted else 0.0
         return values
