@@ -39,6 +39,7 @@ Two more modes need no benchmark run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -51,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_fused_loss import run_variant
+from gpu_profile import print_profile, profile_step
 from bench_train_step import ReferenceLM, matmul_peak, reference_loss, sync
 
 from scratchlm import AdamW, ModelConfig, TransformerLM
@@ -146,7 +148,7 @@ def _interpreted() -> bool:
 
 
 def bench_attention(
-    shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype, repeats: int
+    shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype, repeats: int, args
 ) -> list[dict]:
     batch, heads, seq, d_head = shape
     generator = torch.Generator().manual_seed(0)
@@ -167,7 +169,10 @@ def bench_attention(
                 x.grad = None
 
         memory = peak_memory(step, device)
-        rows.append(row | {"ms": timed(step, device, repeats) * 1e3, "peak_mib": memory and memory / 2**20})
+        row |= {"ms": timed(step, device, repeats) * 1e3, "peak_mib": memory and memory / 2**20}
+        if seq <= 1024 and d_head == 64:  # the short sequences, where a fixed cost per call shows
+            row |= profiled(step, device, args, f"attention {name} {seq} x {d_head}")
+        rows.append(row)
     return rows
 
 
@@ -221,39 +226,46 @@ def bench_decode_model(
     """Tokens/s of the model's decode steps at each batch size, eager and (`--compile`) compiled: `steps`
     steps from half the context, every row its own sequence; the first compiled step (the compilation) is
     timed apart. bf16 weights on a GPU, as `prepare_for_inference` holds them there."""
+    import copy
+
     from scratchlm.generation.decode import Decoder
+    from scratchlm.generation.quantize import quantize_weights
 
     torch.manual_seed(0)
     model = TransformerLM.from_config(config, device=device).eval()
     if device.type == "cuda":
         model.to(torch.bfloat16)
+    dtype = next(model.parameters()).dtype
+    models = {None: model, "int8": quantize_weights(copy.deepcopy(model), "int8", dtype)}
     rows = []
     start_length = config.context_length // 2
-    for batch in batches:
-        for compiled in (False, True) if args.compile else (False,):
-            decoder = Decoder(model, batch, compiled)
-            tokens = torch.zeros(batch, dtype=torch.long, device=device)
+    for (quantize, weights), batch, compiled in itertools.product(
+        models.items(), batches, (False, True) if args.compile else (False,)
+    ):
+        decoder = Decoder(weights, batch, compiled)
+        tokens = torch.zeros(batch, dtype=torch.long, device=device)
 
-            def run(n: int, decoder=decoder, tokens=tokens, batch=batch) -> float:
-                decoder.cache.lengths[:batch] = [start_length] * batch
-                sync(device)
-                start = time.perf_counter()
-                for _ in range(n):
-                    decoder.step(tokens)
-                sync(device)
-                return time.perf_counter() - start
+        def run(n: int, decoder=decoder, tokens=tokens, batch=batch) -> float:
+            decoder.cache.lengths[:batch] = [start_length] * batch
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                decoder.step(tokens)
+            sync(device)
+            return time.perf_counter() - start
 
-            with torch.inference_mode():
-                first = run(1)
-                seconds = min(run(min(steps, start_length - 1)) for _ in range(2))
-            rows.append(
-                {
-                    "batch": batch,
-                    "decode": "compiled" if compiled else "eager",
-                    "tokens_per_s": batch * min(steps, start_length - 1) / seconds,
-                    "first_step_s": first,
-                }
-            )
+        with torch.inference_mode():
+            first = run(1)
+            seconds = min(run(min(steps, start_length - 1)) for _ in range(2))
+        rows.append(
+            {
+                "batch": batch,
+                "weights": quantize or str(dtype).removeprefix("torch."),
+                "decode": "compiled" if compiled else "eager",
+                "tokens_per_s": batch * min(steps, start_length - 1) / seconds,
+                "first_step_s": first,
+            }
+        )
     return rows
 
 
@@ -304,8 +316,18 @@ def bench_training(name: str, config: ModelConfig, batch: int, device: torch.dev
                 "mfu": flops / seconds / args.peak_flops,
                 "peak_mib": memory and memory / 2**20,
             }
+            | profiled(step, device, args, f"{name} {side}")
         )
     return rows
+
+
+def profiled(step: Callable[[], object], device: torch.device, args, label: str) -> dict:
+    """`{"profile": ...}` (`gpu_profile.profile_step`) with `--profile` on a GPU, else nothing."""
+    if not (args.profile and device.type == "cuda"):
+        return {}
+    summary = profile_step(step)
+    print_profile(label, summary)
+    return {"profile": summary}
 
 
 def fmt(value, spec: str) -> str:
@@ -331,6 +353,9 @@ def main() -> None:
         "--models", nargs="+", help="training: which of the models (default all: tinystories, gpt2-small)"
     )
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--profile", action="store_true", help="a torch.profiler summary of each training row (gpu_profile.py)"
+    )
     parser.add_argument("--aot", action="store_true", help="the ahead-of-time table of the attention kernels")
     parser.add_argument("--arch", type=int, nargs="+", help="--aot: compute capabilities (default: 70 … 90)")
     parser.add_argument("--dtype", nargs="+", choices=["fp32", "bf16", "fp16"], help="--aot: dtypes")
@@ -367,9 +392,9 @@ def main() -> None:
 
 def attention_section(shapes: dict, device: torch.device, name: str, args, results: dict) -> None:
     batch, heads, _, _ = shapes["leaderboard"]
-    attention = bench_attention(shapes["leaderboard"], device, torch.bfloat16, args.repeats)
+    attention = bench_attention(shapes["leaderboard"], device, torch.bfloat16, args.repeats, args)
     for seq, d_head in shapes["sweep"]:
-        attention += bench_attention((batch, heads, seq, d_head), device, torch.bfloat16, args.repeats)
+        attention += bench_attention((batch, heads, seq, d_head), device, torch.bfloat16, args.repeats, args)
     results["attention"] = attention
     print(f"attention forward + backward, causal, bf16, on {name} (first rows: the leaderboard shape)")
     print(f"{'impl':<20}{'batch':>6}{'heads':>6}{'seq':>7}{'d_head':>7}{'ms':>10}{'peak MiB':>10}")
@@ -431,9 +456,9 @@ def decode_model_section(shapes: dict, device: torch.device, name: str, args, re
     print(
         f"\ndecoding the {config.d_model}-wide, {config.num_layers}-layer model: tokens/s, eager and compiled"
     )
-    print(f"{'batch':>6}{'decode':>10}{'tokens/s':>12}{'first step s':>14}")
+    print(f"{'weights':>8}{'batch':>6}{'decode':>10}{'tokens/s':>12}{'first step s':>14}")
     for r in results["decode_model"]:
-        print(f"{r['batch']:>6}{r['decode']:>10}{r['tokens_per_s']:>12,.0f}{r['first_step_s']:>14.2f}")
+        print(f"{r['weights']:>8}{r['batch']:>6}{r['decode']:>10}{r['tokens_per_s']:>12,.0f}{r['first_step_s']:>14.2f}")
 
 
 SECTIONS = {
@@ -502,11 +527,6 @@ def checklist(args) -> None:
         ("versions", [*python, "-c", VERSIONS], 60),
         ("gpu tests", [*python, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], 120),
         (
-            "decode model",
-            [*bench, "--sections", "decode_model", "--out", str(logs / "decode_model.json")],
-            120,
-        ),
-        (
             "training",
             # the TinyStories model only: GPT-2 small's compilation alone takes minutes (the full run has it)
             [
@@ -517,6 +537,7 @@ def checklist(args) -> None:
                 "tinystories",
                 "--repeats",
                 "3",
+                "--profile",
                 "--out",
                 str(logs / "training.json"),
             ],
@@ -524,8 +545,28 @@ def checklist(args) -> None:
         ),
         (
             "benchmark",
-            [*bench, "--sections", "attention", "head", "decode", "--out", str(logs / "benchmark.json")],
+            [
+                *bench,
+                "--sections",
+                "attention",
+                "head",
+                "decode",
+                "--profile",
+                "--out",
+                str(logs / "benchmark.json"),
+            ],
             150,
+        ),
+        (
+            "decode model",
+            [*bench, "--sections", "decode_model", "--out", str(logs / "decode_model.json")],
+            120,
+        ),
+        (
+            "training gpt2-small",
+            [*bench, "--sections", "training", "--models", "gpt2-small", "--repeats", "3", "--profile"]
+            + ["--out", str(logs / "training_gpt2.json")],
+            240,
         ),
         ("launch settings", [*python, "-c", LAUNCH_SETTINGS], 120),
         ("kernel tests compiled", [*python, "-m", "pytest", "-q", "-n", "4", *compiled_tests], 300),
@@ -552,9 +593,12 @@ def checklist(args) -> None:
         report["steps"].append(entry)
         if name == "versions" and log.exists():
             report["versions"] = log.read_text()
-        for source in ("decode_model", "training", "benchmark"):
+        for source in ("decode_model", "training", "benchmark", "training_gpt2"):
             if (logs / f"{source}.json").exists():
-                report["results"] |= json.loads((logs / f"{source}.json").read_text())
+                results = json.loads((logs / f"{source}.json").read_text())
+                if source == "training_gpt2":
+                    results = {"training_gpt2_small": results.get("training", [])}
+                report["results"] |= results
         (logs / "report.json").write_text(json.dumps(report, indent=2))
     passed = [e["step"] for e in report["steps"] if e["status"] == "PASS"]
     failed = [e["step"] for e in report["steps"] if e["status"] != "PASS"]
