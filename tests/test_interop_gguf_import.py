@@ -30,6 +30,7 @@ from interop_helpers import (
 )
 
 from scratchlm import ModelConfig, generate, load_trained
+from scratchlm.interop.hf import HFAdapter
 from scratchlm.tokenizer import END_OF_TEXT
 
 gguf = pytest.importorskip("gguf", reason="gguf is not installed (scratchlm[hf])")
@@ -241,6 +242,11 @@ def test_quantized_files_import_as_transformers_reads_them(tmp_path, capsys, qty
     assert_same_logits(run, reference, config.vocab_size)
     trained = load_trained(run)
     assert trained.model.config == config
+    # The dequantized weights are transformers' to the bit, once in its names and RoPE layout (checked against
+    # transformers by the export tests of tests/test_interop_hf.py).
+    theirs = reference.state_dict()
+    for name, tensor in HFAdapter(config).to_external(trained.model.state_dict()).items():
+        assert torch.equal(tensor, theirs[name]), name
     assert trained.tokenizer.fingerprint == small_tokenizer().fingerprint
     assert trained.tokenizer.encode(TEXT) == hf_tokenizer.encode(TEXT)
 
