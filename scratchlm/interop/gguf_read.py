@@ -64,8 +64,8 @@ _QWEN2 = (
 )
 # tokenizer.ggml.pre -> the patterns that cut text into pre-tokens, applied in turn, each cutting the pieces of
 # the one before (as llama.cpp's llama-vocab.cpp lists them, and the tokenizer.json each name comes from).
-# "default" is GPT-2's as transformers' GGUF reader takes it (llama.cpp guesses a pattern of its own for a
-# file that names no known pre-tokenizer). Llama 3's files also skip the merges of a pre-token that is itself
+# "default" is GPT-2's, as transformers' GGUF reader takes it; llama.cpp cuts such a file with a sequence of
+# its own (punctuation runs first, then GPT-2's pattern, then digits in threes), so its ids may differ there. Llama 3's files also skip the merges of a pre-token that is itself
 # a token (`ignore_merges`), which makes no difference to the ids of Llama 3's own merges.
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (GPT2_SPLIT_PATTERN,),
