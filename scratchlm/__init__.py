@@ -72,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "export_hf": "scratchlm.interop.hf",
     "import_hf": "scratchlm.interop.hf",
     "export_gguf": "scratchlm.interop.gguf",
+    "import_gguf": "scratchlm.interop.gguf_read",
     # generation and experiments
     "generate": "scratchlm.generation.generate",
     "generate_stream": "scratchlm.generation.generate",

@@ -24,6 +24,7 @@ INFERENCE = [
     "cli/eval.py",
     "cli/export.py",
     "cli/import_hf.py",
+    "cli/import_gguf.py",
     "cli/serve.py",
 ]
 

@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "serve": "serve",
     "export": "export",
     "import-hf": "import_hf",
+    "import-gguf": "import_gguf",
     "plot": "plot",
     "sweep": "sweep",
     "accounting": "accounting",

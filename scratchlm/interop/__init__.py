@@ -1,5 +1,6 @@
 """Into and out of the ecosystem: scratchlm models as Hugging Face transformers checkpoints and llama.cpp GGUF
-files, and transformers checkpoints (Llama-architecture ones, and scratchlm's own) as scratchlm runs.
+files, and transformers checkpoints (Llama-architecture ones, and scratchlm's own) and GGUF files as scratchlm
+runs.
 
 Each format is one module, which holds all of it: its `StateDictAdapter` (after torchtitan's
 `state_dict_adapter`: its names for scratchlm's tensors, their layouts, the architectures it writes), its
@@ -13,9 +14,13 @@ line each.
     hf_remote.py        transformers with the model's own code, for every other model: its config.json, the
                         files of `remote_code/` (configuration_scratchlm.py, modeling_scratchlm.py) copied in
     gguf.py             llama.cpp: one GGUF file with hyperparameters, tensors and tokenizer; `export_gguf`
+    gguf_read.py        a GGUF file of the Llama architecture (any quantization) as a model and tokenizer;
+                        `import_gguf`
+    imported.py         what every import shares: a model and tokenizer written as a run directory
     checkpoint.py       scratchlm itself: a checkpoint (a sharded one consolidated) as one checkpoint file;
                         `export_checkpoint`
-    tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`
+    tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`; the decoding of
+                        byte-level token text that GGUF's tokenizer shares
     verify.py           the logits check every export passes before it is declared a success
 
 This module holds what every format shares and the command line's parser may import (no torch): the

@@ -59,7 +59,8 @@ from scratchlm.tokenizer.tokenizer import Tokenizer
 
 # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+# llama.cpp's token types (`llama_token_type`); scratchlm writes the first two and the last, and reads all four
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 
 class GGUFAdapter(StateDictAdapter):

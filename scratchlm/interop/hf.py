@@ -24,12 +24,7 @@ biases, another activation, sliding windows), and the tokenizer.json if there is
 where transformers finds it (`chat_template.jinja`, else tokenizer_config.json's `chat_template`): a chat model
 stays one, for `scratchlm chat` and the server, and a scratchlm export gives back scratchlm's template. A
 scratchlm export is read without running its code: its config.json names every setting. The run directory it
-writes is one that `generate`, `chat`, `eval`, `export` and `train --init-from` take:
-
-    RUN/checkpoints/step_00000000.pt   the weights (float32), model_config, tokenizer_fingerprint, imported_from
-    RUN/tokenizer/                     the tokenizer, as `Tokenizer.save` writes it (the chat template too)
-    RUN/config.toml                    a training config to fine-tune from: [data] tokenizer, [model],
-                                       [training] init_from (add data.train, data.valid and a budget)
+writes (`imported.py`) is one that `generate`, `chat`, `eval`, `export` and `train --init-from` take.
 """
 
 from __future__ import annotations
@@ -54,6 +49,7 @@ from scratchlm.interop.hf_remote import (
     remote_config,
     remove_code_copy,
 )
+from scratchlm.interop.imported import import_run
 from scratchlm.interop.tokenizer_json import (
     from_tokenizer_json,
     read_chat_template,
@@ -68,11 +64,9 @@ from scratchlm.interop.verify import (
     optional_transformers,
     quiet,
 )
-from scratchlm.io import atomic_directory, check_output_dir, read_json, to_toml
+from scratchlm.io import atomic_directory, check_output_dir, read_json
 from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
-from scratchlm.run.checkpoint import Checkpoint
-from scratchlm.run.directory import RUN_KIND, RunDirectory
 from scratchlm.run.load import TrainedModel, check_pair
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -380,35 +374,8 @@ def read_hf(source: str | os.PathLike) -> tuple[TransformerLM, Tokenizer | None]
 
 def import_hf(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Turn the transformers checkpoint directory `source` into the scratchlm run directory `out` (new, or
-    empty); returns `out`."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # not even an earlier run: it would be lost
-        raise ScratchlmError(f"output {out} exists and is not empty; choose a new run directory")
-    model, tokenizer = read_hf(source)
-    if tokenizer is None:
-        console.print(f"warning: {source} has no tokenizer.json; give generate a --tokenizer DIR")
-    final = out.resolve()
-    # A run directory as training leaves one, at step 0, with no optimizer state: there is none to import,
-    # and `training.init_from` starts a fresh one anyway.
-    checkpoint = Checkpoint.of(
-        model,
-        0,
-        tokenizer_fingerprint=None if tokenizer is None else tokenizer.fingerprint,
-        imported_from=str(Path(source).resolve()),
-    )
-    settings: dict[str, dict[str, Any]] = {
-        "model": model.config.to_dict(),
-        "training": {"init_from": str(final)},
-    }
-    if tokenizer is not None:
-        settings = {"data": {"tokenizer": str(RunDirectory(final).tokenizer_dir)}, **settings}
-    header = (
-        f"# Imported from {Path(source).resolve()} by `scratchlm import-hf`. To fine-tune, add the\n"
-        "# data and a budget: --set data.train=... --set data.valid=... --set training.max_steps=...\n"
-    )
-    with atomic_directory(out, RUN_KIND) as tmp:
-        RunDirectory(tmp).create(header + to_toml(settings), tokenizer, checkpoint)
-    return out
+    empty; `imported.import_run`); returns `out`."""
+    return import_run(source, out, read_hf, "import-hf")
 
 
 def _write_json(path: Path, values: Any) -> None:

@@ -107,36 +107,52 @@ def from_tokenizer_json(data: Any, source: str, chat_template: str | None = None
             raise ScratchlmError(f"{source}: model.{key} = {model[key]!r} is not supported by byte-level BPE")
 
     added = data.get("added_tokens") or []
-    special_tokens, special_ids = [], {}
+    special_ids = {}
     for i, token in enumerate(added):
         for key in ("lstrip", "rstrip", "single_word"):
             if token.get(key):
                 raise ScratchlmError(
                     f"{source}: added_tokens[{i}].{key} is true, which scratchlm does not support"
                 )
-        special_tokens.append(token["content"])
         special_ids[token["id"]] = token["content"]
+    texts = {token_id: text for text, token_id in model.get("vocab", {}).items()}
+    return byte_level_tokenizer(texts, model.get("merges", []), special_ids, source, chat_template)
 
+
+def byte_level_tokenizer(
+    texts: dict[int, str],
+    merges: list[Any],
+    special_ids: dict[int, str],
+    source: str,
+    chat_template: str | None = None,
+    fields: tuple[str, str] = ("vocab", "model.merges"),
+) -> Tokenizer:
+    """The `Tokenizer` of a byte-level BPE as files spell it (tokenizer.json, and GGUF's `tokenizer.ggml.*`):
+    `texts` maps ids to token text in GPT-2's printable byte form (`serialization.bytes_to_unicode`), `merges`
+    lists "a b" (or [a, b]) in rank order, `special_ids` maps the special tokens' ids to their text as written
+    (matched whole in raw text, never in byte form). A one-line error names the field of `source` (`fields`:
+    the names of the tokens and of the merges there) that is not byte-level."""
+    tokens_field, merges_field = fields
     table = unicode_to_bytes()
     vocab: dict[int, bytes] = {}
-    for text, token_id in model.get("vocab", {}).items():
+    for token_id, text in texts.items():
         if token_id in special_ids:
             vocab[token_id] = special_ids[token_id].encode("utf-8")
         elif all(c in table for c in text):
             vocab[token_id] = bytes(table[c] for c in text)
         else:
-            raise ScratchlmError(f"{source}: vocab token {text!r} is not in byte-level form")
+            raise ScratchlmError(f"{source}: {tokens_field} token {text!r} is not in byte-level form")
     for token_id, content in special_ids.items():
         vocab.setdefault(token_id, content.encode("utf-8"))
 
-    merges = []
-    for rank, merge in enumerate(model.get("merges", [])):
+    pairs = []
+    for rank, merge in enumerate(merges):
         parts = merge.split(" ") if isinstance(merge, str) else merge
         if len(parts) != 2 or not all(isinstance(p, str) and p and all(c in table for c in p) for p in parts):
-            raise ScratchlmError(f"{source}: model.merges[{rank}] = {merge!r} is not two byte-level tokens")
-        merges.append(tuple(bytes(table[c] for c in part) for part in parts))
+            raise ScratchlmError(f"{source}: {merges_field}[{rank}] = {merge!r} is not two byte-level tokens")
+        pairs.append(tuple(bytes(table[c] for c in part) for part in parts))
     try:
-        return Tokenizer(vocab, merges, special_tokens, chat_template)
+        return Tokenizer(vocab, pairs, list(special_ids.values()), chat_template)
     except ScratchlmError as e:
         raise ScratchlmError(f"{source}: {e}") from None
 
