@@ -149,7 +149,7 @@ def test_tight_combinations_compile_ahead_of_time_within_their_shared_memory(tmp
     assert "HMMA" not in rows[2]["mix"] and rows[2]["mix"]["FFMA"] > 0  # float32: full-precision FMA
 
 
-@pytest.mark.slow
+@pytest.mark.aot
 def test_every_combination_fits_and_tensor_core_kernels_do_not_spill(tmp_path):
     rows = run_aot(tmp_path / "all.json")
     assert len(rows) == len(KERNELS) * 6 * 3 * 5  # kernels × sm_70 … sm_90 × dtypes × padded head sizes

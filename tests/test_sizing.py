@@ -1,19 +1,23 @@
-"""The fast recipe's shape for the steps a budget buys: the count by hand, the ladder's choice at its edges, and
-the quickstart's choice with the device mocked both ways (a slow fp32 CPU, a fast bf16 one), recorded in the
-run and kept when the run resumes on a machine that measures otherwise."""
+"""The fast recipe's shape for the steps a budget buys: the count by hand from a step's timing, the ladder's
+choice at its edges, the step timed by the run itself (and measured once per machine), and the quickstart's
+choice with the device mocked both ways (a slow fp32 CPU, a fast bf16 one), recorded in the run and kept when
+the run resumes on a machine that measures otherwise."""
 
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
 import pytest
 
 from scratchlm.data.prepare import PreparedData
-from scratchlm.device import planning
+from scratchlm.device import planning, plan
 from scratchlm.device.profile import DeviceProfile
-from scratchlm.model.accounting import train_step_flops
-from scratchlm.quickstart import FAST_SHAPES, FULL, choose_fast_shape, train_config
-from scratchlm.run import RunDirectory
-from scratchlm.training.sizing import STEP_EFFICIENCY, Shape, budget_steps, choose_shape
+from scratchlm.quickstart import FAST_SHAPES, FULL, SMALL, choose_fast_shape, train_config
+from scratchlm.run import RunDirectory, read_metrics
+from scratchlm.training import sizing
+from scratchlm.training.config import TrainConfig
+from scratchlm.training.sizing import Shape, StepTiming, choose_shape, measure_step, predicted_steps
 
 DATA = PreparedData(Path("tok"), Path("train.npy"), Path("valid.npy"))
 
@@ -36,69 +40,117 @@ def mocked_device(monkeypatch):
     return use
 
 
+@pytest.fixture
+def timed_steps(monkeypatch):
+    """`measure_step` mocked: a step of `seconds[batch]`, after a start-up of 10 s."""
+
+    def use(seconds: dict[int, float]) -> None:
+        def measured(config, choices):
+            return StepTiming(startup_s=10.0, step_s=seconds[config.training.batch_size])
+
+        monkeypatch.setattr(sizing, "measure_step", measured)
+
+    return use
+
+
 def test_the_steps_a_budget_buys_by_hand() -> None:
-    # The quickstart's smallest shape, per token of a forward pass: each of 2 layers 4 projections 256 x 256
-    # (2 * 4 * 65,536 FLOPs), the feed-forward's two 256 x 1,024 (2 * 2 * 262,144), the scores and the weighted
-    # sum over 256 positions (2 * 2 * 256 * 256); then the head, 256 x 4,096 (2 * 1,048,576). A training step is
-    # three forward passes' worth, over 8 sequences of 256 tokens.
-    per_layer = 2 * 4 * 65_536 + 2 * 2 * 262_144 + 2 * 2 * 256 * 256
-    step = 3 * (2 * per_layer + 2 * 1_048_576) * 8 * 256
-    assert step == 35_433_480_192
+    # The smallest shape evaluates 5 batches of 8 sequences forward every 50 steps of 8: a forward pass is a
+    # third of a step, so evaluations add 5 / 3 / 50 = 1/30 to each step. 20 steps are taken before the
+    # budget decides, the first ending 10 s in: 10 + 19 × 0.1 = 11.9 s. Of the 48.1 s left of a minute, 92 % is
+    # planned for steps of 0.1 × 31/30 s: 428.25 of them, 448 in all.
     smallest = config_of(FAST_SHAPES[0])
-    # 60 s at 100 GFLOP/s, of which a step reaches STEP_EFFICIENCY.
-    assert budget_steps(smallest, 60.0, 100.0) == int(60.0 * STEP_EFFICIENCY * 100e9 / step)
-    assert budget_steps(smallest, 120.0, 100.0) == int(120.0 * STEP_EFFICIENCY * 100e9 / step)
+    assert predicted_steps(smallest, 60.0, StepTiming(10.0, 0.1)) == 448
+    # Two minutes: 20 + int(0.92 × 108.1 / (0.1 × 31/30)) = 20 + 962.
+    assert predicted_steps(smallest, 120.0, StepTiming(10.0, 0.1)) == 982
+    # A budget shorter than the start-up buys only the steps that decide.
+    assert predicted_steps(smallest, 5.0, StepTiming(10.0, 0.1)) == 20
 
 
-def test_the_ladder_takes_the_largest_shape_that_gets_the_steps_it_needs() -> None:
+def test_the_ladder_takes_the_largest_shape_that_gets_the_steps_it_needs(timed_steps) -> None:
     small, middle, large = (
         Shape("small", {"training": {"batch_size": 8}}),
         Shape("middle", {"training": {"batch_size": 16}}, min_steps=100),
-        Shape(
-            "large", {"model": {"num_layers": 4, "value_embeddings": 2}, "training": {"batch_size": 16}}, 100
-        ),
+        Shape("large", {"training": {"batch_size": 32}}, min_steps=100),
     )
     ladder = [(shape, config_of(shape)) for shape in (small, middle, large)]
-
-    def gflops_for(steps: int, shape: Shape) -> float:
-        """The rate at which 240 s buys `shape` exactly `steps` steps (a hair above, against rounding)."""
-        [config] = [c for s, c in ladder if s is shape]
-        flops = train_step_flops(config.model, config.training.batch_size)
-        return steps / (240.0 * STEP_EFFICIENCY * 1e9) * flops * (1 + 1e-9)
-
-    # middle just reaches its 100 steps, large does not: middle, and the reason says what large lacks.
-    choice = choose_shape(ladder, 240.0, gflops_for(100, middle), "mocked")
-    assert choice.shape is middle and choice.steps["middle"] == 100 and choice.steps["large"] < 100
-    assert f"large would get {choice.steps['large']:,}, short of the 100 it needs" in choice.reason
-    # One step short of it: the smallest.
-    assert choose_shape(ladder, 240.0, gflops_for(99, middle), "mocked").shape is small
+    choices = plan(torch.device("cpu"), "fp32")
+    # Evaluations add 1/30 of a step whatever the batch (the evaluation batch is the training batch): 100
+    # steps in 240 s need 20 + int(0.92 × (240 - 10 - 19 s) / (s × 31/30)) >= 100, s <= 2.1129 s.
+    timed_steps({8: 0.5, 16: 2.11, 32: 2.12})
+    choice = choose_shape(ladder, 240.0, choices, "mocked")
+    assert choice.shape is middle and choice.steps["middle"] == 100 and choice.steps["large"] == 99
+    assert "large would get 99, short of the 100 it needs" in choice.reason
+    assert "steps of 2.110 s" in choice.reason and choice.timings["middle"] == StepTiming(10.0, 2.11)
+    # A slower middle step: the smallest.
+    timed_steps({8: 0.5, 16: 2.12, 32: 2.12})
+    assert choose_shape(ladder, 240.0, choices, "mocked").shape is small
     # Enough for the largest: it, and no rung above it to name.
-    choice = choose_shape(ladder, 240.0, gflops_for(100, large), "mocked")
+    timed_steps({8: 0.5, 16: 1.0, 32: 2.0})
+    choice = choose_shape(ladder, 240.0, choices, "mocked")
     assert choice.shape is large and "short of" not in choice.reason
-    # A budget twice as long buys twice the steps.
-    assert choose_shape(ladder, 480.0, gflops_for(50, large), "mocked").shape is large
+    # A budget twice as long buys about twice the steps.
+    assert choose_shape(ladder, 480.0, choices, "mocked").steps["large"] > 2 * choice.steps["large"] - 25
 
 
-def test_the_quickstart_sizes_the_fast_recipe_to_the_device(tmp_path, mocked_device, capsys) -> None:
-    """A CPU that multiplies slowly gets the smallest shape; one with fast bf16 matmuls the largest (more
-    sequences a step), for the same budget. The choice is printed with its reason, written to shape.json, and a run that already started
-    keeps its shape when the machine now measures otherwise."""
+def test_a_step_is_timed_by_the_run_itself_once_per_machine(tmp_path, monkeypatch) -> None:
+    """The probe trains `PROBE_STEPS` steps of the config in a scratch directory: its timing is the metrics'
+    clock (the first step apart), it leaves no run behind, and a second call reads the record instead."""
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = np.tile(np.arange(SMALL.vocab_size, dtype=np.uint16), 40)
+    np.save(tmp_path / "train.npy", tokens)
+    np.save(tmp_path / "valid.npy", tokens[:2000])
+    data = PreparedData(tmp_path, tmp_path / "train.npy", tmp_path / "valid.npy")
+    values = train_config(SMALL, data, tmp_path / "run", 60.0, "cpu", 0, "fast", FAST_SHAPES[0]).to_dict()
+    values["data"]["tokenizer"] = ""  # token ids made here, by no tokenizer
+    config = TrainConfig.from_dict(values)
+    choices = plan(torch.device("cpu"), config.training.precision, compile=False)
+    timing = measure_step(config, choices)
+    assert 0 < timing.step_s < timing.startup_s + timing.step_s and timing.startup_s > 0
+    assert not (tmp_path / "run").exists()  # the probe trained elsewhere
+    record = json.loads((tmp_path / "cache" / "train-timings.json").read_text())
+    [(key, values)] = record.items()
+    assert values == {"startup_s": timing.startup_s, "step_s": timing.step_s}
+    assert f"batch={config.training.batch_size}" in key and "compile=False" in key
+    monkeypatch.setattr("scratchlm.training.trainer.train", lambda *a, **k: pytest.fail("timed again"))
+    assert measure_step(config, choices) == timing
+
+
+def test_the_quickstart_sizes_the_fast_recipe_to_the_device(
+    tmp_path, mocked_device, monkeypatch, capsys
+) -> None:
+    """A CPU without native bf16 trains in fp32 and gets the smallest shape; one with it, in bf16 with faster
+    steps, the largest (more sequences a step), for the same budget: the steps are timed in the precision the
+    plan chooses. The choice is printed with its reason and the timings, written to shape.json, and a run
+    that already started keeps its shape when the machine now measures otherwise."""
+    seconds = {"fp32": {8: 0.8, 16: 1.5}, "bf16": {8: 0.2, 16: 0.35}}  # a step, by precision and batch
+    timed = []
+
+    def measured(config, choices):
+        timed.append(choices.precision.value)
+        return StepTiming(10.0, seconds[choices.precision.value][config.training.batch_size])
+
+    monkeypatch.setattr(sizing, "measure_step", measured)
     run = RunDirectory(tmp_path / "run")
     record = tmp_path / "shape.json"
     mocked_device(cpu("slow CPU", fp32=20.0))
     slow = choose_fast_shape(FULL, DATA, run, 240.0, "cpu", record)
-    assert slow is FAST_SHAPES[0]
+    assert slow is FAST_SHAPES[0] and timed == ["fp32", "fp32"]
     written = json.loads(record.read_text())
-    assert written["shape"] == slow.name and "fp32 matmuls at 20.0 GFLOP/s" in written["reason"]
+    assert written["shape"] == slow.name and "fp32" in written["reason"]
+    assert written["timings"][slow.name] == {"startup_s": 10.0, "step_s": 0.8}
+    # 16 sequences at 1.5 s a step: 20 + int(0.92 × (240 - 10 - 28.5) / (1.5 × 31/30)) = 139 < 300.
+    # 8 sequences at 0.8 s: 20 + int(0.92 × (240 - 10 - 15.2) / (0.8 × 31/30)) = 20 + 239.
+    assert written["steps"] == {FAST_SHAPES[0].name: 259, FAST_SHAPES[1].name: 139}
     assert f"shape: {written['reason']}" in " ".join(capsys.readouterr().err.split())
 
     mocked_device(cpu("fast CPU", fp32=100.0, bf16=5000.0))
     fast = choose_fast_shape(FULL, DATA, run, 240.0, "cpu", record)
-    assert fast is FAST_SHAPES[-1] and "bf16 matmuls at 5,000.0" in json.loads(record.read_text())["reason"]
+    assert fast is FAST_SHAPES[-1] and "bf16" in json.loads(record.read_text())["reason"]
+    assert timed[2:] == ["bf16", "bf16"]
     assert config_of(fast).training.batch_size > config_of(slow).training.batch_size
 
-    # The run started with the small shape; resumed on the fast machine, it keeps it.
+    # The run started with the small shape; resumed on the fast machine, it keeps it, timing nothing.
     run.path.mkdir()
     run.config.write_text(train_config(FULL, DATA, run.path, 240.0, "cpu", 0, "fast", slow).to_toml())
-    assert choose_fast_shape(FULL, DATA, run, 240.0, "cpu", record) is slow
+    assert choose_fast_shape(FULL, DATA, run, 240.0, "cpu", record) is slow and len(timed) == 4
     assert "as the run in" in json.loads(record.read_text())["reason"]

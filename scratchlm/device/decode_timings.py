@@ -15,15 +15,11 @@ first short request is never made to wait for a compilation that may not pay for
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from scratchlm.device.profile import cache_dir, profile_path
-from scratchlm.errors import ScratchlmError
-from scratchlm.io import atomic_write
+from scratchlm.device import timings
 
 MIN_GAIN = 1.1  # a compiled step must measure at least this much faster than the eager one to be used
 
@@ -48,54 +44,39 @@ class DecodeTimings:
 ASSUMED = DecodeTimings(eager_ms=2.0, compiled_ms=1.0, compile_s=30.0)
 
 
-def timings_path() -> Path:
-    return cache_dir() / "decode-timings.json"
+KIND = "decode"  # decode-timings.json (`scratchlm.device.timings`)
 
 
 def timings_key(device: torch.device, precision: str, shape: tuple[int, ...], rows: int) -> str:
-    return f"{profile_path(device).stem}|{precision}|{','.join(map(str, shape))}|rows={rows}"
+    return timings.timings_key(device, precision, ",".join(map(str, shape)), f"rows={rows}")
 
 
-def _read_all() -> dict[str, dict]:
+def _timings(entry: dict) -> DecodeTimings | None:
     try:
-        values = json.loads(timings_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
-
-
-def measured_timings(key: str) -> DecodeTimings | None:
-    """The timings recorded for `key`, or None where this shape has not been measured here."""
-    entry = _read_all().get(key)
-    try:
-        return DecodeTimings(**entry) if isinstance(entry, dict) else None
+        return DecodeTimings(**entry)
     except TypeError:  # written by another version
         return None
 
 
+def measured_timings(key: str) -> DecodeTimings | None:
+    """The timings recorded for `key`, or None where this shape has not been measured here."""
+    entry = timings.read_timings(KIND).get(key)
+    return _timings(entry) if entry is not None else None
+
+
 def device_timings(device: torch.device) -> dict[str, DecodeTimings]:
     """Every shape measured on `device` at the current thread count: "precision|shape|rows" -> timings."""
-    prefix = profile_path(device).stem + "|"
+    prefix = timings.timings_key(device) + "|"
     found = {}
-    for key, entry in _read_all().items():
-        if key.startswith(prefix) and isinstance(entry, dict):
-            try:
-                found[key[len(prefix) :]] = DecodeTimings(**entry)
-            except TypeError:
-                continue
+    for key, entry in timings.read_timings(KIND).items():
+        if key.startswith(prefix) and (known := _timings(entry)) is not None:
+            found[key[len(prefix) :]] = known
     return found
 
 
-def record_timings(key: str, timings: DecodeTimings) -> None:
-    """Keep `timings` for `key` (a read-only cache directory only loses the record)."""
-    entries = _read_all()
-    entries[key] = asdict(timings)
-    try:
-        timings_path().parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(timings_path(), "w") as f:
-            json.dump(entries, f, indent=1)
-    except (OSError, ScratchlmError):
-        pass
+def record_timings(key: str, measured: DecodeTimings) -> None:
+    """Keep `measured` for `key`."""
+    timings.record_timing(KIND, key, asdict(measured))
 
 
 def worth_compiling(timings: DecodeTimings | None, eager_step_s: float, steps_left: int) -> bool:

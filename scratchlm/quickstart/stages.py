@@ -108,10 +108,24 @@ def train_within_budget(
         console.print(f"reusing the finished model in {run_dir} (delete it to train again)")
         return summary
     summary = train(config, resume=run.latest_checkpoint() is not None)
-    decided = [r["time_budget"]["total_steps"] for r in read_metrics(run_dir) if "time_budget" in r]
+    decided = [r["time_budget"] for r in read_metrics(run_dir) if "time_budget" in r]
     with atomic_write(schedule_file, "w") as f:
-        json.dump({"max_steps": decided[-1] if decided else config.total_steps or summary.steps}, f)
+        json.dump({"max_steps": decided[-1]["total_steps"] if decided else config.total_steps or summary.steps}, f)
+    if shape is not None and decided:
+        record_taken(schedule_file.with_name("shape.json"), summary.steps, decided[0])
     return summary
+
+
+def record_taken(record: Path, steps: int, decision: dict) -> None:
+    """Beside the steps the shape rule predicted (shape.json), the steps the run took and the step time its
+    budget measured."""
+    try:
+        values = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    values["taken"] = {"steps": steps, "step_s": decision["step_s"], "decided_at_s": decision["elapsed_s"]}
+    with atomic_write(record, "w") as f:
+        json.dump(values, f, indent=2)
 
 
 def choose_fast_shape(
@@ -131,11 +145,11 @@ def choose_fast_shape(
     else:
         choices = plan(torch.device(device), "auto", compile=size.compile)
         precision, threads = choices.precision.value, choices.threads.value
-        gflops = choices.profile.rate(precision)
-        rate = f"{precision} matmuls at {gflops:,.1f} GFLOP/s" + (
-            f" with {threads} thread{'' if threads == 1 else 's'}" if threads else ""
+        rate = f"{precision}, {'compiled' if choices.compile.value else 'eager'}" + (
+            f", {threads} thread{'' if threads == 1 else 's'}" if threads else ""
         )
-        choice = choose_shape(ladder, seconds, gflops, rate)
+        console.print(f"timing the fast recipe's shapes on this machine ({rate}; once, then cached)")
+        choice = choose_shape(ladder, seconds, choices, rate)
     console.print(f"shape: {choice.reason}")
     with atomic_write(record, "w") as f:
         json.dump(choice.to_dict(), f, indent=2)

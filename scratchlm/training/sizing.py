@@ -3,37 +3,49 @@
 In a budget of minutes the loss a model reaches is a race between what the model can hold and how many
 optimizer steps it gets. A small step (2 layers, 8 sequences) takes about half the time of one twice its
 size, so the small shape wins while steps are few; given enough of them, the larger one catches up and
-passes it. Which side of that line a run is on depends on the machine (its matmul rate in the precision
-and with the threads the run will have) and on the budget, not on the text, so the shape is chosen from those,
-before anything trains:
+passes it. Which side of that line a run is on depends on the machine (its precision, its threads, whether it
+compiles) and on the budget, not on the text, so the shape is chosen from those, before anything trains:
 
-    rate     the device profile's matmul rate at the run's precision and thread count (GFLOP/s: the
-             measurement "auto" precision rests on, scratchlm.device.profile)
-    step_s   train_step_flops(shape) / (STEP_EFFICIENCY × rate)      for each shape of a ladder
-    steps    budget_s / step_s                                        "the steps the budget buys"
+    timing   each shape's training step, timed where the run will train (`measure_step`): a few steps of
+             the run itself (its config, data, precision, threads and compilation) in a scratch directory,
+             the first one (compiling, the allocator filling its pools) apart; kept per machine beside the
+             device profile (train-timings.json), so that a machine is measured once
+    steps    the length the time budget will decide for that shape (`predicted_steps`, the trainer's own
+             rule, `scratchlm.training.budget.fit_steps`): its first steps and start-up, then the steps that
+             fit in the rest, each with its share of the periodic evaluations
     choice   the largest shape whose steps reach its `min_steps`; the smallest when none does
 
-`STEP_EFFICIENCY` is the share of the matmul rate that a small model's whole training step reaches
-(attention, norms, the optimizer and the framework's own time included): measured about 0.7 for the
-quickstart's 2-layer model on 2 cores. The predicted steps are therefore a count, not a promise; the run still
-measures its own speed and fits its schedule to it (`scratchlm.training.budget`). Each `min_steps` was
-measured in the same units by racing the shapes against each other at several budgets (docs/experiments.md,
-"The shape for the budget"). A run with 2 threads has about twice the rate of one with 1, and bf16 on a CPU
-with native bf16 about four times fp32's, so both buy steps, and both can move a run up the ladder.
+A rule from the matmul rate (steps = budget × a step's share of the rate / FLOPs) would need that share, and
+it is not a constant: about 0.7 for the quickstart's model in fp32 on a 2-core Zen 3, about 0.35 in bf16 on a
+Zen 5, which doubled the steps it promised there. Timing the step measures the share, the compilation and the
+framework's own time together, on whatever the machine is.
+
+Each `min_steps` is in steps, what learning is counted in, so it holds on any machine: it was measured by
+racing the shapes against each other at several budgets (docs/experiments.md, "The shape for the budget").
+The predicted steps are a count, not a promise: the run still measures its own speed and fits its schedule to
+it (`scratchlm.training.budget`), and the steps predicted and taken are both recorded (shape.json).
 """
 
 from __future__ import annotations
 
+import statistics
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from scratchlm.model.accounting import train_step_flops
+import torch
+
+from scratchlm.console import console
+from scratchlm.device import timings
+from scratchlm.device.planning import Plan
+from scratchlm.run.metrics import read_metrics
+from scratchlm.training.budget import CALIBRATION_STEPS, evaluation_share, fit_steps
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.recipes import Recipe
 
-#: The share of the device's matmul rate (`DeviceProfile.rate`) a small model's training step reaches.
-STEP_EFFICIENCY = 0.7
+KIND = "train"  # train-timings.json (`scratchlm.device.timings`)
+PROBE_STEPS = 8  # steps a shape is timed over: the first (start-up) apart, the median of the rest
 
 
 @dataclass(frozen=True)
@@ -47,10 +59,20 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """A shape's training step on this machine: `startup_s` from the start of training to the end of its first
+    step (compiling, the allocator filling its pools), `step_s` a step after that."""
+
+    startup_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
 class ShapeChoice:
     shape: Shape
     steps: dict[str, int]  # the steps the budget buys each shape of the ladder, by name
     reason: str
+    timings: dict[str, StepTiming] | None = None  # what the steps were predicted from, by name
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,28 +80,80 @@ class ShapeChoice:
             "changes": self.shape.changes,
             "steps": self.steps,
             "reason": self.reason,
+            "timings": {name: asdict(t) for name, t in (self.timings or {}).items()},
         }
 
 
-def budget_steps(config: TrainConfig, budget_s: float, gflops: float) -> int:
-    """The training steps of `config`'s model and batch that fit in `budget_s` at `gflops` of matmuls."""
-    flops = train_step_flops(config.model, config.training.batch_size)
-    return int(budget_s * STEP_EFFICIENCY * gflops * 1e9 / flops)
+def timing_key(config: TrainConfig, choices: Plan) -> str:
+    """What a step's time depends on: the device (its profile's key), precision, threads, compilation, the
+    model's shape and the batch."""
+    m = config.model
+    shape = (m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, m.d_ff, m.value_embeddings)
+    return timings.timings_key(
+        torch.device(choices.device),
+        choices.precision.value,
+        f"threads={choices.threads.value}",
+        f"compile={choices.compile.value}",
+        ",".join(map(str, shape)),
+        f"batch={config.training.batch_size}",
+    )
+
+
+def measure_step(config: TrainConfig, choices: Plan) -> StepTiming:
+    """`config`'s training step on this machine (`choices`: the plan its run makes): recorded, or timed now
+    over `PROBE_STEPS` steps of the run itself in a scratch directory (no evaluation, no checkpoint kept)."""
+    key = timing_key(config, choices)
+    known = timings.read_timings(KIND).get(key)
+    if known is not None:
+        try:
+            return StepTiming(**known)
+        except TypeError:  # written by another version
+            pass
+    from scratchlm.training.trainer import train  # the loop itself: the probe is the run, shortened
+
+    values = config.to_dict()
+    with tempfile.TemporaryDirectory(prefix="scratchlm-probe-") as scratch:
+        values["training"] |= {"max_steps": PROBE_STEPS, "max_tokens": 0, "max_time_s": 0.0}
+        values["eval"] |= {"interval": 0}
+        values["checkpoint"] |= {"interval": 0}
+        values["logging"] |= {"run_dir": scratch, "log_interval": 1}
+        quiet, console.quiet = console.quiet, True
+        try:
+            train(TrainConfig.from_dict(values))
+        finally:
+            console.quiet = quiet
+        clock = [r["time"] for r in read_metrics(scratch) if "train_loss" in r]
+    steps = [b - a for a, b in zip(clock, clock[1:])]
+    timing = StepTiming(startup_s=clock[0], step_s=statistics.median(steps))
+    timings.record_timing(KIND, key, asdict(timing))
+    return timing
+
+
+def predicted_steps(config: TrainConfig, budget_s: float, timing: StepTiming) -> int:
+    """The length a run of `config` will decide for `budget_s` (`scratchlm.training.budget`) at `timing`: its
+    first `CALIBRATION_STEPS` steps, start-up included, then the steps that fit in the rest, evaluations and
+    all; at most the config's own length."""
+    elapsed = timing.startup_s + (CALIBRATION_STEPS - 1) * timing.step_s
+    total = fit_steps(CALIBRATION_STEPS, elapsed, budget_s, timing.step_s * (1 + evaluation_share(config)))
+    return min(total, config.total_steps) if config.total_steps else total
 
 
 def choose_shape(
-    ladder: Sequence[tuple[Shape, TrainConfig]], budget_s: float, gflops: float, rate: str
+    ladder: Sequence[tuple[Shape, TrainConfig]], budget_s: float, choices: Plan, rate: str
 ) -> ShapeChoice:
-    """The largest shape of `ladder` (smallest first, each with the config it gives) whose steps in `budget_s`
-    at `gflops` reach its `min_steps`; `rate` says where the rate came from, for the reason."""
-    steps = {shape.name: budget_steps(config, budget_s, gflops) for shape, config in ladder}
+    """The largest shape of `ladder` (smallest first, each with the config it gives) whose predicted steps in
+    `budget_s` reach its `min_steps`, each shape's step timed as `choices` will run it (`measure_step`);
+    `rate` says how the run trains, for the reason."""
+    timed = {shape.name: measure_step(config, choices) for shape, config in ladder}
+    steps = {shape.name: predicted_steps(config, budget_s, timed[shape.name]) for shape, config in ladder}
     shapes = [shape for shape, _ in ladder]
     chosen = max(i for i, shape in enumerate(shapes) if i == 0 or steps[shape.name] >= shape.min_steps)
     shape = shapes[chosen]
-    reason = f"{shape.name}: the budget buys it about {steps[shape.name]:,} steps ({rate})"
+    step_s = timed[shape.name].step_s
+    reason = f"{shape.name}: the budget buys it about {steps[shape.name]:,} steps of {step_s:.3f} s ({rate})"
     if chosen + 1 < len(shapes):
         next_up = shapes[chosen + 1]
         reason += (
             f"; {next_up.name} would get {steps[next_up.name]:,}, short of the {next_up.min_steps:,} it needs"
         )
-    return ShapeChoice(shape, steps, reason)
+    return ShapeChoice(shape, steps, reason, timed)
