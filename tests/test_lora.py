@@ -22,7 +22,9 @@ from scratchlm.run.load import load_trained
 from scratchlm.training.trainer import train
 
 CONTEXT = 64
-TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48)
+TINY = ModelConfig(
+    vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48
+)
 
 
 def adapted(rank: int = 4, alpha: float = 0.0, seed: int = 0) -> tuple[TransformerLM, TransformerLM]:
@@ -140,7 +142,9 @@ def test_training_changes_the_adapters_only_and_checkpoints_hold_them_alone(chat
     for key, b in saved["model"].items():
         if key.endswith(".lora_B"):
             stem = key.removesuffix(".lora_B")
-            expected[f"{stem}.weight"] = base_state[f"{stem}.weight"] + 2.0 * b @ saved["model"][f"{stem}.lora_A"]
+            expected[f"{stem}.weight"] = (
+                base_state[f"{stem}.weight"] + 2.0 * b @ saved["model"][f"{stem}.lora_A"]
+            )
     merged = load_trained(root / "lora").model.state_dict()
     for key, value in expected.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
@@ -195,4 +199,83 @@ def test_a_pretraining_config_with_lora_is_refused():
     from scratchlm.training.config import TrainConfig
 
     with pytest.raises(ScratchlmError, match=r"lora.rank = 4"):
-        TrainConfig.load(None, ["lora.rank=4", "data.train='a.npy'", "data.valid='b.npy'", "training.max_steps=1"])
+        TrainConfig.load(
+            None, ["lora.rank=4", "data.train='a.npy'", "data.valid='b.npy'", "training.max_steps=1"]
+        )
+
+
+@pytest.fixture(scope="module")
+def lora_run(chat_base):
+    root, base = chat_base
+    train(lora_config(root, base, "exported"))
+    return root / "exported", base
+
+
+def unmerged(run, base) -> TransformerLM:
+    """The LoRA run's model as it trained: its base with the saved adapters on it, not merged."""
+    from scratchlm.model.lora import load_trainable
+
+    saved = checkpoint_of(run)
+    model = load_trained(base).model
+    apply_lora(model, Adapters.from_dict(saved["lora"]))
+    load_trainable(model, saved["model"], "test")
+    return model.eval()
+
+
+def test_peft_loads_the_exported_adapter_onto_the_base_export_with_the_same_logits(
+    lora_run, tmp_path, capsys
+):
+    pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import peft
+
+    run, base = lora_run
+    status, _, err = run_cli(
+        ["export", "--run", str(base), "--format", "hf", "--out", str(tmp_path / "hf")], capsys
+    )
+    assert status == 0, err
+    status, out, err = run_cli(
+        ["export", "--run", str(run), "--format", "peft", "--out", str(tmp_path / "a")], capsys
+    )
+    assert status == 0, err + out
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "a")).float().eval()
+    ids = torch.randint(0, 200, (2, 24))
+    ours = unmerged(run, base)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
+        # The adapters matter: peft without them gives other logits.
+        with model.disable_adapter():
+            assert not torch.allclose(model(ids).logits, ours(ids), atol=1e-4)
+
+
+def test_the_merged_export_has_the_lora_models_logits(lora_run, tmp_path, capsys):
+    run, base = lora_run
+    out = tmp_path / "merged.pt"
+    status, _, err = run_cli(
+        ["export", "--run", str(run), "--format", "checkpoint", "--out", str(out)], capsys
+    )
+    # A LoRA run says which of the two it wants (after the line that says the run was merged as it loaded).
+    assert (
+        status == 2
+        and err.strip().splitlines()[-1].startswith("error: --format checkpoint")
+        and "--merge" in err
+    )
+    status, _, err = run_cli(
+        ["export", "--run", str(run), "--merge", "--format", "checkpoint", "--out", str(out)], capsys
+    )
+    assert status == 0, err
+    merged = load_trained(out).model
+    ids = torch.randint(0, 200, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), unmerged(run, base)(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_peft_of_a_run_without_adapters_is_refused(chat_base, tmp_path, capsys):
+    _, base = chat_base
+    status, _, err = run_cli(
+        ["export", "--run", str(base), "--format", "peft", "--out", str(tmp_path / "a")], capsys
+    )
+    assert_one_line_error(status, err, "not a LoRA run")

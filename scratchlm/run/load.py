@@ -115,7 +115,8 @@ def _load_adapters(
     if ours is None or checkpoint.lora is None:
         held = "holds LoRA adapters" if checkpoint.lora is not None else "holds a whole model"
         raise ScratchlmError(
-            f"checkpoint (step {checkpoint.step}) {held}, the model " + ("has none" if ours is None else "is adapted")
+            f"checkpoint (step {checkpoint.step}) {held}, the model "
+            + ("has none" if ours is None else "is adapted")
         )
     recorded = Adapters.from_dict(checkpoint.lora)
     if recorded.base_fingerprint != ours.base_fingerprint:
@@ -134,7 +135,11 @@ def read_weights(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at `path` with its model's whole weights: a LoRA run's adapters merged into its base
     (`W + (α/r) B A`), which is read from where the run recorded it and must still hold the weights they
     were trained on (a fingerprint of them). Any other checkpoint as `read_any` reads it."""
-    checkpoint = read_any(path)
+    return merged(read_any(path), path)
+
+
+def merged(checkpoint: Checkpoint, path: str | os.PathLike) -> Checkpoint:
+    """`checkpoint` (read from `path`) with whole weights: `read_weights`."""
     if checkpoint.lora is None:
         return checkpoint
     adapters = Adapters.from_dict(checkpoint.lora)
@@ -172,6 +177,7 @@ class TrainedModel:
     tokenizer_fingerprint: str | None  # that of the tokenizer the model was trained with, when recorded
     precision: str | None = None  # what its training's precision resolved to, when recorded
     recorded_tokenizer: str | None = None  # the tokenizer directory its training config named, if any
+    lora: dict[str, Any] | None = None  # a LoRA run's adapters record (`Adapters.to_dict`), merged at load
 
 
 def find_checkpoint(source: str | os.PathLike) -> tuple[Path, RunDirectory | None]:
@@ -220,7 +226,9 @@ def load_trained(
 
 
 def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> TrainedModel:
-    checkpoint = read_weights(path)
+    checkpoint = read_any(path)
+    lora = checkpoint.lora
+    checkpoint = merged(checkpoint, path)
     model = TransformerLM(checkpoint.model_config, device=device)
     load_checkpoint(checkpoint, model)
     model.eval()
@@ -233,6 +241,7 @@ def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> T
         checkpoint.tokenizer_fingerprint,
         training.precision if training is not None else None,
         checkpoint.tokenizer_dir,
+        lora,
     )
 
 

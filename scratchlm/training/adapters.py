@@ -30,7 +30,11 @@ from scratchlm.training.start import start_from_weights
 
 
 def adapt(
-    config: TrainConfig, model: TransformerLM, tokenizer: Tokenizer | None, dist: Distributed, dtype: torch.dtype
+    config: TrainConfig,
+    model: TransformerLM,
+    tokenizer: Tokenizer | None,
+    dist: Distributed,
+    dtype: torch.dtype,
 ) -> None:
     """Load the base into `model` and adapt it as `[lora]` says (see the module docstring); `dtype`: the
     plan's compute dtype, which the frozen matrices are held in."""
@@ -41,11 +45,15 @@ def adapt(
             "sit on the base's weights"
         )
     if dist.enabled and config.training.parallel == "fsdp":
-        raise ScratchlmError('lora.rank with training.parallel = "fsdp": LoRA runs use ddp (the base is frozen)')
+        raise ScratchlmError(
+            'lora.rank with training.parallel = "fsdp": LoRA runs use ddp (the base is frozen)'
+        )
     base = start_from_weights(config, model, tokenizer, dist)
     base_shapes = {key: tuple(value.shape) for key, value in base.model.items()}
     grown = tuple(
-        name for name, p in model.named_parameters() if base_shapes.get(name, tuple(p.shape)) != tuple(p.shape)
+        name
+        for name, p in model.named_parameters()
+        if base_shapes.get(name, tuple(p.shape)) != tuple(p.shape)
     )
     adapters = Adapters(config.lora, str(Path(base_path).resolve()), base.weights_fingerprint())
     adapted = apply_lora(model, adapters, train=grown, base_dtype=None if dtype == torch.float32 else dtype)
