@@ -31,8 +31,6 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import LoRAConfig
 from scratchlm.model.layers import Linear
 
-ADAPTER_NAMES = ("lora_A", "lora_B")
-
 
 @dataclass(frozen=True)
 class Adapters:
