@@ -27,8 +27,11 @@ def export_toy(trained: TrainedModel, out: str | os.PathLike, dtype: str) -> Exp
     return ExportResult(Path(out), LLAMA, 0.0, loaded_as="toy architecture")
 
 
-def test_the_registry_lists_hf_gguf_and_checkpoint_building_their_exporters():
-    assert list(EXPORT_FORMATS) == ["hf", "gguf", "checkpoint"]
+def test_the_registry_lists_hf_gguf_peft_and_checkpoint_building_their_exporters():
+    from scratchlm.interop.peft import export_peft
+
+    assert list(EXPORT_FORMATS) == ["hf", "gguf", "peft", "checkpoint"]
+    assert EXPORT_FORMATS["peft"].build() is export_peft
     assert EXPORT_FORMATS["hf"].build() is scratchlm.export_hf
     assert EXPORT_FORMATS["gguf"].build() is scratchlm.export_gguf
     assert EXPORT_FORMATS["checkpoint"].build() is export_checkpoint
@@ -45,9 +48,9 @@ def test_a_registered_format_is_offered_and_called_by_the_command(tmp_path, caps
     status, out, _ = run_cli(["export", "--help"], capsys)
     assert status == 0
     help_text = " ".join(out.split())  # argparse wraps lines
-    assert "--format {hf,gguf,checkpoint,toy}" in help_text
+    assert "--format {hf,gguf,peft,checkpoint,toy}" in help_text
     assert (
-        "gguf: a file; checkpoint: a file; toy: a file" in help_text and "or .toy file to write" in help_text
+        "gguf: a file; peft: a directory; checkpoint: a file; toy: a file" in help_text and "or .toy file to write" in help_text
     )
     status, _, err = run_cli([*argv, "--dtype", "f16"], capsys)
     assert status == 0, err

@@ -138,10 +138,12 @@ def test_sgd_toy_example_behaviour():
 
 def _groups_by_name(model: torch.nn.Module) -> dict[str, list[str]]:
     """An independent rule, by the parameters' names: what each role means for the model's layout."""
-    groups: dict[str, list[str]] = {"matrices": [], "embeddings": [], "head": [], "gains": []}
+    groups: dict[str, list[str]] = {"matrices": [], "embeddings": [], "head": [], "gains": [], "adapters": []}
     for name, param in model.named_parameters():
         if name == "token_embeddings.weight" or name.startswith("value_embeddings."):
             groups["embeddings"].append(name)
+        elif name.endswith((".lora_A", ".lora_B")):
+            groups["adapters"].append(name)
         elif name == "lm_head.weight":
             groups["head"].append(name)
         elif name.endswith("norm.weight") or name.startswith(("ln_final.", "skip_weights")) or ".ln" in name:

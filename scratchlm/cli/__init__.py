@@ -68,24 +68,50 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+# The commands that train adapters (`--lora RANK`): the stages on top of a base.
+LORA_COMMANDS = ("sft", "rl")
+
+
 def _main(argv: list[str] | None) -> int:
+    typed = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for hints that repeat it
+    try:
+        _refuse_misplaced_lora(typed)
+    except ScratchlmError as e:
+        return _report(e)
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for hints that repeat it
+    args.argv = typed
     try:
         with _termination_interrupts():
             status = args._run(args)
     except ScratchlmError as e:
-        from rich.text import Text
-
-        from scratchlm.console import console
-
-        console.print(Text.assemble(("error:", "bold red"), f" {e}"), highlight=False, soft_wrap=True)
-        return 2
+        return _report(e)
     except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
         return 128 + getattr(e, "signum", signal.SIGINT)
     return int(status or 0)
+
+
+def _report(error: ScratchlmError) -> int:
+    """Print a user's mistake as one line; the exit status 2."""
+    from rich.text import Text
+
+    from scratchlm.console import console
+
+    console.print(Text.assemble(("error:", "bold red"), f" {error}"), highlight=False, soft_wrap=True)
+    return 2
+
+
+def _refuse_misplaced_lora(argv: list[str]) -> None:
+    """`--lora` given to a command other than `LORA_COMMANDS`, named in one line (argparse would print its usage
+    and "unrecognized arguments")."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    given = next((a for a in argv if a == "--lora" or a.startswith("--lora=")), None)
+    if given is not None and command is not None and command in COMMANDS and command not in LORA_COMMANDS:
+        raise ScratchlmError(
+            f"{given}: `scratchlm {command}` trains no adapters; LoRA fine-tunes a base with "
+            f"`scratchlm {' or '.join(LORA_COMMANDS)} --lora RANK`"
+        )
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:

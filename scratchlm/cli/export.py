@@ -40,14 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="f32",
         help="weights' precision (default f32); q8_0: llama.cpp's int8 in blocks of 32 (gguf only)",
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: its adapters folded into its base's weights, W + (alpha/r) B A, written whole in the "
+        "format (--format peft writes the adapters alone)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     from scratchlm.console import console
+    from scratchlm.errors import ScratchlmError
     from scratchlm.interop import export_note
 
-    export = EXPORT_FORMATS[args.format].build()
+    chosen = EXPORT_FORMATS[args.format]
+    export = chosen.build()
     trained = load_model_source(args)
+    if trained.lora is None and args.merge:
+        raise ScratchlmError(f"--merge: {trained.checkpoint} is not a LoRA run: it has no adapters to merge")
+    if trained.lora is not None and args.merge == chosen.adapters:
+        raise ScratchlmError(
+            f"--format {args.format}{' --merge' if args.merge else ''}: {trained.checkpoint} is a LoRA run; "
+            + ", ".join(f"--format {f.name}" for f in EXPORT_FORMATS.values() if f.adapters)
+            + " writes its adapters alone, --merge with any other format the model with them merged"
+        )
     result = export(trained, args.out, args.dtype)
     note = export_note(trained.model.config, result.architecture) if result.architecture else None
     if note:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scratchlm.cli.sft import add_stage_arguments, check_required
+from scratchlm.cli.sft import add_stage_arguments, check_required, lora_flag
 from scratchlm.cli.train import config_flags
 
 HELP = "Train a chat run on prompts with answers, rewarding the replies a program scores right (GRPO)."
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> None:
         "--data": ("rl.train", args.data),
         "--valid": ("rl.valid", args.valid),
         "--reward": ("rl.reward", args.reward),
+        "--lora": lora_flag(args),
     }
     flags = config_flags(args, own)
     check_required(args, flags, REQUIRED)

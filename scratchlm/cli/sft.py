@@ -1,5 +1,5 @@
-"""`scratchlm sft --base RUN --data CONVERSATIONS.jsonl [--out DIR] [--valid FILE] [--minutes M] [--config FILE]
-[--set section.key=value ...] [--resume]`: fine-tune a base run to chat (`scratchlm.chat.sft`). Ctrl-C and
+"""`scratchlm sft --base RUN --data CONVERSATIONS.jsonl [--out DIR] [--valid FILE] [--minutes M] [--lora RANK]
+[--config FILE] [--set section.key=value ...] [--resume]`: fine-tune a base run to chat (`scratchlm.chat.sft`). Ctrl-C and
 SIGTERM save a checkpoint, as `train` does; `--resume` continues.
 
 The flags set config keys (named in their help) over the config file's, and `--set` over them.
@@ -54,6 +54,13 @@ def add_stage_arguments(parser: argparse.ArgumentParser, what: str, default_out:
     )
     add_device_argument(parser, default=None)
     add_precision_argument(parser, inference=False)
+    parser.add_argument(
+        "--lora",
+        metavar="RANK",
+        type=int,
+        help="train low-rank adapters of rank RANK on every block matrix of the frozen base instead of all its "
+        "weights: lora.rank (default: the config's, else 0: every weight)",
+    )
     add_config_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     parser.add_argument(
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> None:
         "--base": ("sft.base", args.base),
         "--data": ("sft.train", args.data),
         "--valid": ("sft.valid", args.valid),
+        "--lora": lora_flag(args),
     }
     flags = config_flags(args, own)
     check_required(args, flags, REQUIRED)
@@ -79,6 +87,18 @@ def run(args: argparse.Namespace) -> None:
     config = choose_rate(sft_config(args.config, args.overrides, flags), resume=args.resume)
 
     train(config, resume=args.resume, allow_config_change=args.allow_config_change)
+
+
+def lora_flag(args: argparse.Namespace) -> tuple[str, int | None]:
+    """`--lora RANK` as the config key it sets; a rank below 1 is refused, naming it."""
+    from scratchlm.errors import ScratchlmError
+
+    if args.lora is not None and args.lora < 1:
+        raise ScratchlmError(
+            f"--lora {args.lora}: the adapters' rank must be a positive integer (leave --lora out to train "
+            "every weight)"
+        )
+    return "lora.rank", args.lora
 
 
 def check_required(args: argparse.Namespace, flags: dict, required: dict[str, tuple[str, str]]) -> None:

@@ -52,6 +52,7 @@ class ExportFormat:
     target: str  # the program that reads it, for the command's help
     output: Literal["directory", "file"]
     suffix: str = ""  # a file's conventional ending, naming it in `--out`'s help
+    adapters: bool = False  # writes a LoRA run's adapters alone (the others write whole models: `--merge`)
 
     def build(self) -> Exporter:
         module, _, function = self.exporter.partition(":")
@@ -63,6 +64,7 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
     for f in (
         ExportFormat("hf", "scratchlm.interop.hf:export_hf", "Hugging Face transformers", "directory"),
         ExportFormat("gguf", "scratchlm.interop.gguf:export_gguf", "llama.cpp", "file", ".gguf"),
+        ExportFormat("peft", "scratchlm.interop.peft:export_peft", "peft", "directory", adapters=True),
         ExportFormat(
             "checkpoint", "scratchlm.interop.checkpoint:export_checkpoint", "scratchlm", "file", ".pt"
         ),

@@ -158,3 +158,31 @@ class ModelConfig:
                 f"unknown model setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(**values)
+
+
+# Every linear matrix of a block (attention's four projections, the feed-forward's three): adapting all of
+# them, rather than q and v alone as Hu et al. did, is what Dettmers et al. (QLoRA, 2023) found to match full
+# fine-tuning.
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The `[lora]` section: which matrices get adapters, of what rank, and how they are scaled."""
+
+    rank: int = 0  # r; 0: no adapters (full fine-tuning)
+    alpha: float = 0.0  # α, the update is (α / r) B A; 0: 2 × rank (a scaling of 2 at every rank)
+    targets: tuple[str, ...] = DEFAULT_TARGETS  # the blocks' Linear names adapted
+
+    @property
+    def scaling(self) -> float:
+        """`α / r`."""
+        return (self.alpha or 2.0 * self.rank) / self.rank
+
+    def check(self, source: str) -> None:
+        if self.rank < 0:
+            raise ScratchlmError(f"{source}: lora.rank must be >= 0 (0: no adapters), got {self.rank!r}")
+        if self.alpha < 0:
+            raise ScratchlmError(f"{source}: lora.alpha must be >= 0 (0: 2 × rank), got {self.alpha!r}")
+        if self.rank and not self.targets:
+            raise ScratchlmError(f"{source}: lora.targets is empty: name the blocks' matrices to adapt")

@@ -84,6 +84,10 @@ class Linear(nn.Module):
         # over "..." would run a batched product against an expanded copy of W, twice as slow on CPU.
         return x @ self.weight.T
 
+    def adapters(self) -> list[nn.Parameter]:
+        """Trainable parameters added to this matrix (LoRA's, `scratchlm.model.lora`); none for a plain one."""
+        return []
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 

@@ -254,7 +254,8 @@ class TransformerLM(ConfigModule):
           the value-embedding tables;
         - "head": the output projection to the vocabulary, when it is a matrix of its own;
         - "gains": the RMSNorm gains and the U-net skip weights;
-        - "matrices": the weight matrices of the blocks (attention's projections, the feed-forward's).
+        - "matrices": the weight matrices of the blocks (attention's projections, the feed-forward's);
+        - "adapters": what fine-tuning adds to those matrices (LoRA's low-rank factors, `scratchlm.model.lora`).
 
         Within a group the parameters keep the order of `parameters()`, the order optimizer states are saved
         in. The caller checks that the groups hold every parameter exactly once."""
@@ -266,7 +267,9 @@ class TransformerLM(ConfigModule):
         if self.skip_weights is not None:
             gains.append(self.skip_weights)
         matrices = [m.weight for m in self.layers.modules() if isinstance(m, Linear)]
+        adapters = [p for m in self.layers.modules() if isinstance(m, Linear) for p in m.adapters()]
         declared = {"matrices": matrices, "embeddings": embeddings, "head": head, "gains": gains}
+        declared["adapters"] = adapters
         order = {id(p): i for i, p in enumerate(self.parameters())}
         return {name: sorted(params, key=lambda p: order.get(id(p), -1)) for name, params in declared.items()}
 

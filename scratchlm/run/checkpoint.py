@@ -15,6 +15,10 @@ A checkpoint is one `torch.save`d dict:
                   that of the tokenizer the model was trained or imported with, when known
     imported_from the directory an imported model was read from
     train_config, data_rng, torch_rng, cuda_rng, elapsed_s, tokens, precision, time_budget, loss_scale,
+    lora          a LoRA run's adapters (`scratchlm.model.lora.Adapters.to_dict`: rank, alpha, targets, the base's
+                  path and the fingerprint of its weights, `weights_fingerprint`); then `model` holds only the
+                  run's trainable tensors (the adapters, and the embeddings when the vocabulary grew), and
+                  the base's weights are read from the base (`scratchlm.run.load.read_weights`)
     world_size    what a training run adds (`TrainingState`): its config, the RNG and data-sampling states,
                   its time, what `precision = "auto"` resolved to, the time budget's decision, in fp16 the
                   loss scaler's state, and the number of processes that saved it. A checkpoint has a training
@@ -53,6 +57,7 @@ import torch
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import atomic_write
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.lora import adapters_of, trainable_state
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 CHECKSUM_KEY = "sha256"
@@ -66,6 +71,7 @@ TRAIN_CONFIG, TOKENIZER_FINGERPRINT, PRECISION, TIME_BUDGET = (
 )
 DATA_RNG, TORCH_RNG, CUDA_RNG, ELAPSED, TOKENS = "data_rng", "torch_rng", "cuda_rng", "elapsed_s", "tokens"
 IMPORTED_FROM, LOSS_SCALE, WORLD_SIZE = "imported_from", "loss_scale", "world_size"
+LORA = "lora"
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -252,6 +258,7 @@ class Checkpoint:
     )
     imported_from: str | None = None  # the directory an imported model was read from
     training: TrainingState | None = None  # None: an imported model
+    lora: dict[str, Any] | None = None  # a LoRA run's adapters and base (`Adapters.to_dict`); None: none
     # A sharded checkpoint's directory, when its model and optimizer were left there to be read into a model
     # by each process, its own shards (`scratchlm.run.load`); None: `model` and `optimizer` hold them. Not a
     # key of the file.
@@ -265,8 +272,12 @@ class Checkpoint:
 
     @classmethod
     def of(cls, model: torch.nn.Module, step: int, **fields: Any) -> Checkpoint:
-        """The checkpoint of `model` (unwrapped from compile / DDP) at `step`, with `fields`."""
+        """The checkpoint of `model` (unwrapped from compile / DDP) at `step`, with `fields`; of an adapted
+        model (`scratchlm.model.lora`), its trainable tensors only and its adapters' record."""
         model = unwrap_model(model)
+        if (adapters := adapters_of(model)) is not None:
+            state, lora = trainable_state(model), adapters.to_dict()
+            return cls(state, int(step), model.config, lora=lora, **fields)  # type: ignore[arg-type]
         return cls(model.state_dict(), int(step), model.config, **fields)  # type: ignore[arg-type]
 
     def save(self, path: str | os.PathLike) -> None:
@@ -295,6 +306,7 @@ class Checkpoint:
             IMPORTED_FROM: self.imported_from,
             LOSS_SCALE: training.loss_scale,
             WORLD_SIZE: training.world_size,
+            LORA: self.lora,
         }
         state.update({key: value for key, value in optional.items() if value is not None})
         return state
@@ -319,4 +331,10 @@ class Checkpoint:
             tokenizer_fingerprint=state.get(TOKENIZER_FINGERPRINT),
             imported_from=state.get(IMPORTED_FROM),
             training=TrainingState.from_checkpoint(state),
+            lora=state.get(LORA),
         )
+
+    def weights_fingerprint(self) -> str:
+        """A digest of the model's config and weights (`content_digest`), which names exactly these weights: a
+        LoRA run records its base's, and refuses a base whose weights have changed since."""
+        return content_digest({MODEL_CONFIG: self.model_config.to_dict(), MODEL: self.model})

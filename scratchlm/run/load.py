@@ -15,6 +15,7 @@ config names. A checkpoint records the fingerprint of the tokenizer it was train
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from rich.text import Text
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.lora import Adapters, adapters_of, apply_lora, load_trainable, merge_lora
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import (
     MODEL,
@@ -78,6 +80,8 @@ def load_checkpoint(
         return int(state[STEP])
     if checkpoint.shards is not None:
         load_shards(checkpoint.shards, model, optimizer)
+    elif checkpoint.lora is not None or adapters_of(unwrap_model(model)) is not None:
+        _load_adapters(checkpoint, unwrap_model(model), optimizer)
     else:
         _load_whole(model, checkpoint.model, optimizer, checkpoint.optimizer)
     return checkpoint.step
@@ -102,6 +106,66 @@ def _load_whole(
         optimizer.load_state_dict(optimizer_state)
 
 
+def _load_adapters(
+    checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """A LoRA run's checkpoint into the adapted model of its resumed run: the adapters (and whatever else it
+    trains) and their optimizer state, on a base that must be the one they were trained on."""
+    ours = adapters_of(model)
+    if ours is None or checkpoint.lora is None:
+        held = "holds LoRA adapters" if checkpoint.lora is not None else "holds a whole model"
+        raise ScratchlmError(
+            f"checkpoint (step {checkpoint.step}) {held}, the model "
+            + ("has none" if ours is None else "is adapted")
+        )
+    recorded = Adapters.from_dict(checkpoint.lora)
+    if recorded.base_fingerprint != ours.base_fingerprint:
+        raise ScratchlmError(
+            f"the LoRA base {ours.base} is not the one the adapters (step {checkpoint.step}) were trained on: "
+            f"its weights fingerprint {ours.base_fingerprint[:12]}, recorded {recorded.base_fingerprint[:12]}"
+        )
+    load_trainable(model, checkpoint.model, f"checkpoint (step {checkpoint.step})")
+    if optimizer is not None:
+        if checkpoint.optimizer is None:
+            raise ScratchlmError("checkpoint has no optimizer state: start a new run from it")
+        optimizer.load_state_dict(checkpoint.optimizer)
+
+
+def read_weights(path: str | os.PathLike) -> Checkpoint:
+    """The checkpoint at `path` with its model's whole weights: a LoRA run's adapters merged into its base
+    (`W + (α/r) B A`), which is read from where the run recorded it and must still hold the weights they
+    were trained on (a fingerprint of them). Any other checkpoint as `read_any` reads it."""
+    return merged(read_any(path), path)
+
+
+def merged(checkpoint: Checkpoint, path: str | os.PathLike) -> Checkpoint:
+    """`checkpoint` (read from `path`) with whole weights: `read_weights`."""
+    if checkpoint.lora is None:
+        return checkpoint
+    adapters = Adapters.from_dict(checkpoint.lora)
+    if not Path(adapters.base).exists():
+        raise ScratchlmError(
+            f"{path}: its LoRA base {adapters.base} is not found (moved or deleted?): the adapters need the "
+            "weights they were trained on"
+        )
+    base = read_weights(find_checkpoint(adapters.base)[0])  # a base may itself be a LoRA run
+    if base.weights_fingerprint() != adapters.base_fingerprint:
+        raise ScratchlmError(
+            f"{path}: its LoRA base {adapters.base} has changed since the adapters were trained on it (its "
+            "weights' fingerprint differs from the one recorded)"
+        )
+    model = TransformerLM(checkpoint.model_config, device="cpu")
+    trained = checkpoint.model  # the adapters, and the embeddings when the vocabulary grew
+    model.load_state_dict(base.model | {k: v for k, v in trained.items() if k in base.model})
+    apply_lora(model, adapters, train=tuple(k for k in trained if k in base.model))
+    load_trainable(model, trained, str(path))
+    merge_lora(model)
+    console.print(
+        f"{path}: LoRA adapters (rank {adapters.config.rank}) merged into their base {adapters.base}"
+    )
+    return dataclasses.replace(checkpoint, model=model.state_dict(), lora=None)
+
+
 @dataclass
 class TrainedModel:
     """A trained model loaded for inference, with what its checkpoint says about its training."""
@@ -113,6 +177,7 @@ class TrainedModel:
     tokenizer_fingerprint: str | None  # that of the tokenizer the model was trained with, when recorded
     precision: str | None = None  # what its training's precision resolved to, when recorded
     recorded_tokenizer: str | None = None  # the tokenizer directory its training config named, if any
+    lora: dict[str, Any] | None = None  # a LoRA run's adapters record (`Adapters.to_dict`), merged at load
 
 
 def find_checkpoint(source: str | os.PathLike) -> tuple[Path, RunDirectory | None]:
@@ -162,6 +227,8 @@ def load_trained(
 
 def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> TrainedModel:
     checkpoint = read_any(path)
+    lora = checkpoint.lora
+    checkpoint = merged(checkpoint, path)
     model = TransformerLM(checkpoint.model_config, device=device)
     load_checkpoint(checkpoint, model)
     model.eval()
@@ -174,6 +241,7 @@ def _load(path: Path, run: RunDirectory | None, device: str | torch.device) -> T
         checkpoint.tokenizer_fingerprint,
         training.precision if training is not None else None,
         checkpoint.tokenizer_dir,
+        lora,
     )
 
 

@@ -14,6 +14,8 @@
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
+    [lora]        rank (0: none), alpha, targets: low-rank adapters on a frozen base, for the fine-tuning
+                  stages (scratchlm.model.lora; the section beside ModelConfig)
     [sft]         base, train, valid, valid_fraction, added_tokens: fine-tuning on conversations (the chat
                   package's `sft` module, which registers it)
     [rl]          base, train, valid, valid_fraction, reward, reward_timeout_s, group_size, temperature,
@@ -43,7 +45,7 @@ from typing import Any, Literal
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.io import to_toml
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import LoRAConfig, ModelConfig
 from scratchlm.parallelisms import ParallelName
 from scratchlm.precisions import Precision
 from scratchlm.training.config_reader import build_section, parse_override, read_toml
@@ -116,6 +118,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -146,6 +149,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     stage: Any = field(default_factory=lambda: STAGES[PRETRAINING].config())
 
     def __getattr__(self, name: str) -> Any:
@@ -215,6 +219,12 @@ class TrainConfig:
         """Checks across keys (types are checked when reading)."""
         t = self.training
         self.stage.check(source)
+        self.lora.check(source)
+        if self.lora.rank and self.stage_name == PRETRAINING:
+            raise ScratchlmError(
+                f"{source}: lora.rank = {self.lora.rank}: adapters fine-tune a base, in the sft and rl stages "
+                "only; pretraining trains every weight"
+            )
         positive = {
             "training.batch_size": t.batch_size,
             "training.grad_accum": t.grad_accum,

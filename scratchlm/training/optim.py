@@ -128,7 +128,7 @@ def adamw_update(group: dict[str, Any], states: dict[torch.Tensor, dict[str, Any
 
 
 #: The roles a parameter can have, in the order of `param_groups`.
-PARAMETER_GROUPS = ("matrices", "embeddings", "head", "gains")
+PARAMETER_GROUPS = ("matrices", "embeddings", "head", "gains", "adapters")
 
 
 def parameter_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:

@@ -95,6 +95,7 @@ def build_optimizer(
         "embeddings": config.embedding_lr or config.lr,
         "head": config.head_lr or config.lr,
         "gains": config.lr,
+        "adapters": config.lr,  # LoRA's factors (AdamW's under Muon too: they are not orthogonalised)
     }
     groups = [
         {"params": params, "name": name, "lr_scale": rates[name] / config.lr}

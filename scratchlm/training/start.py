@@ -28,7 +28,7 @@ from scratchlm.model.config import COMPUTATION_FIELDS
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.checkpoint import Checkpoint, TrainingState
 from scratchlm.run.directory import RunDirectory
-from scratchlm.run.load import check_pair, find_checkpoint, load_checkpoint, read_any
+from scratchlm.run.load import check_pair, find_checkpoint, load_checkpoint, read_any, read_weights
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.budget import BudgetDecision, TimeBudget
 from scratchlm.training.config import TrainConfig, section_dict
@@ -124,13 +124,14 @@ def _check_same_checkpoint(existing: Path | None, dist: Distributed, device: tor
 
 def start_from_weights(
     config: TrainConfig, model: TransformerLM, tokenizer: Tokenizer | None, dist: Distributed
-) -> None:
+) -> Checkpoint:
     """Start from the weights of `training.init_from` (a run directory or a checkpoint: fine-tuning, or
     continued pretraining) with this run's fresh optimizer. Its model must be the one `[model]` describes,
     and its tokenizer, when both are known, this run's. A stage that grows the vocabulary (fine-tuning to
-    chat, which adds the chat template's tokens) gets rows for them (`grow_vocabulary`)."""
+    chat, which adds the chat template's tokens) gets rows for them (`grow_vocabulary`). A LoRA run as
+    `init_from` gives its merged weights (`read_weights`). Returns the checkpoint read (before any growth)."""
     path, _ = find_checkpoint(config.training.init_from)
-    checkpoint = read_any(path)
+    checkpoint = base = read_weights(path)
     base_vocab = checkpoint.model_config.vocab_size
     grows_vocabulary = STAGES[config.stage_name].grows_vocabulary
     grows = grows_vocabulary and base_vocab < config.model.vocab_size
@@ -169,6 +170,7 @@ def start_from_weights(
                 f"  the vocabulary grows from {base_vocab} to {config.model.vocab_size} rows for the chat "
                 "tokens, each new row the mean of the existing ones"
             )
+    return base
 
 
 def grow_vocabulary(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:

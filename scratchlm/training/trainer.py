@@ -4,7 +4,8 @@ A session is made of components, each built by a function of the config before t
 
     the data            `load_training_data`: the stage's, checked before the run directory is claimed
                                                                                              (stage.py)
-    the model           `build_model`, its weights drawn from `training.seed`
+    the model           `build_model`, its weights drawn from `training.seed`; a LoRA run's, its base's
+                        weights frozen with adapters on them (`adapt`)                   (adapters.py)
     the optimizer       `build_optimizer`, over the parameter groups the model declares     (optimizers.py)
     the starting point  `restore` (resume) or `start_from_weights` (`training.init_from`), with the time
                         budget                                                               (start.py)
@@ -45,6 +46,7 @@ from scratchlm.parallel import Execution, ParallelSettings, parallelize
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.sharded import save_sharded
 from scratchlm.run.summary import RunSummary, StopReason
+from scratchlm.training.adapters import adapt
 from scratchlm.training.config import TrainConfig, TrainingConfig
 from scratchlm.training.distributed import Distributed, all_reduce, init_distributed, shutdown_distributed
 from scratchlm.training.loss_scale import LossScaler
@@ -147,10 +149,13 @@ def build_session(session: Session, resume: bool, allow_config_change: bool = Fa
     config, run_dir, data = session.config, session.run_dir, session.data
     dist, device, choices = session.dist, session.device, session.choices
     model = build_model(config, device)
+    if config.lora.rank:  # the base first, then its adapters: the optimizer and execution see what trains
+        adapt(config, model, data.tokenizer, dist, choices.dtype)
     execution = build_execution(model, config.training, choices, device, dist)
     optimizer = build_optimizer(config.optimizer, model, precision=choices.precision.value)
     progress = restore(config, run_dir, model, optimizer, device, dist, resume, allow_config_change)
-    if config.training.init_from and progress.last_saved is None:  # a resumed run continues its own weights
+    fresh = progress.last_saved is None and not config.lora.rank  # a resumed run continues its own weights
+    if config.training.init_from and fresh:
         start_from_weights(config, model, data.tokenizer, dist)
     scaler = LossScaler(choices.loss_scaling)
     if progress.loss_scale is not None and scaler.enabled:

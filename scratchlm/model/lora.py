@@ -1,0 +1,162 @@
+"""LoRA: low-rank adapters on the blocks' matrices of an unchanged `TransformerLM` (Hu et al., 2021).
+
+A frozen weight `W (out, in)` gains a trainable product of two thin matrices, and the layer computes
+
+    y = x Wᵀ + (α / r) · (x Aᵀ) Bᵀ          A (r, in), B (out, r), r ≪ min(in, out)
+
+so the update the fine-tuning learns, `ΔW = (α / r) B A`, has rank at most r. `A` starts Kaiming-uniform (as
+`nn.Linear`'s weight, bound `1 / sqrt(in)`; what peft does) and `B` at zero, so that at the first step
+`ΔW = 0` and the model is exactly its base; the gradient reaches `B` first (`∂L/∂B = (α/r) gᵀ (x Aᵀ)`), then
+`A`. The scaling `α / r` keeps the size of the update the same across ranks for one learning rate: the default
+`α = 2 r` (a scaling of 2, whatever the rank) means a rate measured at one rank holds at another.
+
+`apply_lora` patches the `Linear`s of the blocks in place (their class becomes `LoRALinear`, a `Linear` with
+the two extra parameters, so the state dict keeps every key of the base and adds `...q_proj.lora_A`,
+`...q_proj.lora_B`), and freezes every other parameter; `merge_lora` folds `W + (α/r) B A` back into `W` and
+turns them into plain `Linear`s again. Nothing in the model's code knows of it: a model declares its
+adapters to the optimizer through `Linear.adapters()`, which is empty for a plain `Linear`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import LoRAConfig
+from scratchlm.model.layers import Linear
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What a model carries once adapted: the config, and the base it was adapted from (its path and the
+    fingerprint of its weights and config), which a checkpoint of the adapters records."""
+
+    config: LoRAConfig
+    base: str = ""
+    base_fingerprint: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        recorded = {"targets": list(self.config.targets), "base": self.base}
+        return asdict(self.config) | recorded | {"base_fingerprint": self.base_fingerprint}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Adapters:
+        config = LoRAConfig(int(values["rank"]), float(values["alpha"]), tuple(values["targets"]))
+        return cls(config, values.get("base", ""), values.get("base_fingerprint", ""))
+
+
+class LoRALinear(Linear):
+    """A `Linear` with a low-rank update: `x Wᵀ + s (x Aᵀ) Bᵀ`. Made by `add_lora` from a `Linear`, never
+    constructed."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    scaling: float
+
+    def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        # Two thin products rather than x (W + s B A)ᵀ: r (in + out) multiply-adds a token instead of
+        # in · out, and no dense copy of B A is made.
+        low_rank = (x @ self.lora_A.T) @ self.lora_B.T
+        return super().forward(x) + self.scaling * low_rank
+
+    def adapters(self) -> list[nn.Parameter]:
+        return [self.lora_A, self.lora_B]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
+
+
+def add_lora(linear: Linear, rank: int, scaling: float) -> LoRALinear:
+    """Turn `linear` into a `LoRALinear` in place (same object, same weight): `A` Kaiming-uniform, `B` zero,
+    both float32 (the adapters and their optimizer state are trained in full precision whatever the base's)."""
+    weight = linear.weight
+    a = torch.empty(rank, linear.in_features, device=weight.device, dtype=torch.float32)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's init: U(-1/sqrt(in), 1/sqrt(in))
+    b = torch.zeros(linear.out_features, rank, device=weight.device, dtype=torch.float32)
+    linear.__class__ = LoRALinear
+    linear.lora_A, linear.lora_B = nn.Parameter(a), nn.Parameter(b)
+    linear.scaling = scaling
+    return linear  # type: ignore[return-value]
+
+
+def apply_lora(
+    model: nn.Module, adapters: Adapters, train: tuple[str, ...] = (), base_dtype: torch.dtype | None = None
+) -> int:
+    """Adapt `model`'s blocks (`model.layers`) as `adapters.config` says and freeze everything else except the
+    parameters named in `train` (e.g. the embeddings of tokens the base lacked); the frozen matrices of the
+    blocks are held in `base_dtype` when given (the plan's compute dtype: a 16-bit base halves its memory).
+    Records `adapters` as `model.lora_adapters`. Returns the number of matrices adapted; a target no block has is
+    an error naming it."""
+    config = adapters.config
+    linears = {name: m for name, m in model.layers.named_modules() if isinstance(m, Linear)}
+    known = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    unknown = [t for t in config.targets if t not in known]
+    if unknown:
+        raise ScratchlmError(f"lora.targets: no block has a matrix {unknown[0]!r}; the blocks' are {known}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if name in train:
+            p.requires_grad_(True)
+    adapted = 0
+    for name, linear in linears.items():
+        if base_dtype is not None:
+            linear.weight.data = linear.weight.data.to(base_dtype)
+        if name.rsplit(".", 1)[-1] in config.targets:
+            add_lora(linear, config.rank, config.scaling)
+            adapted += 1
+    model.lora_adapters = adapters
+    return adapted
+
+
+def adapters_of(model: nn.Module) -> Adapters | None:
+    """The adapters `apply_lora` recorded on `model`, None for a model without."""
+    return getattr(model, "lora_adapters", None)
+
+
+def trainable_state(model: nn.Module) -> dict[str, Tensor]:
+    """The state-dict entries of `model`'s trainable parameters only (the adapters, and what `apply_lora` was
+    told to train): what a checkpoint of an adapted model holds."""
+    state = model.state_dict(keep_vars=True)
+    return {key: value.detach() for key, value in state.items() if value.requires_grad}
+
+
+def load_trainable(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
+    """Load `trainable_state`'s entries into an adapted `model`: exactly its trainable tensors, no others."""
+    expected = set(trainable_state(model))
+    if set(state) != expected:
+        extra, missing = sorted(set(state) - expected), sorted(expected - set(state))
+        raise ScratchlmError(
+            f"{source} does not hold this run's adapters: "
+            + (f"unexpected {extra[0]}" if extra else f"missing {missing[0]}")
+            + f" ({len(extra)} unexpected, {len(missing)} missing)"
+        )
+    own = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, value in state.items():
+            own[key].copy_(value)
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its matrix, `W ← W + (α/r) B A` (computed in float32, stored in W's dtype), and
+    turn the `LoRALinear`s back into `Linear`s: the same model, with the cost of the base at inference.
+    Returns the number of matrices merged."""
+    merged = 0
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            weight = module.weight
+            delta = module.scaling * (module.lora_B.float() @ module.lora_A.float())
+            weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+            del module.lora_A, module.lora_B, module.scaling
+            module.__class__ = Linear
+            merged += 1
+    if hasattr(model, "lora_adapters"):
+        del model.lora_adapters
+    return merged
