@@ -101,6 +101,7 @@ def run_job(
     valid = np.load(data.valid, mmap_mode="r")
     loss = math.nan if kind == "warmup" else evaluate(load_trained(run_root / "run").model, valid).loss
     trained = TrainConfig.load(run_root / "run" / "config.toml")
+    shape = json.loads((run_root / "shape.json").read_text()) if (run_root / "shape.json").exists() else {}
     return {
         "name": name,
         "budget": budget,
@@ -108,6 +109,8 @@ def run_job(
         "shape": f"{trained.model.num_layers} layers, batch {trained.training.batch_size}",
         "threads": threads,
         "steps": summary.steps,
+        # what the shape rule predicted for the shape it chose (scratchlm.training.sizing), where it chose one
+        "predicted_steps": shape.get("steps", {}).get(shape.get("shape")),
         "training_s": summary.wall_time_s,
         "tokens_per_s": summary.tokens / summary.wall_time_s,
         "val_loss": loss,
@@ -374,10 +377,10 @@ def main() -> None:
     threads = run_threads(args)
     print(f"\ncorpus {args.corpus}, seed 0, {args.parallel} training(s) at a time, {threads} thread(s) each")
     print(
-        "| recipe | shape | budget | steps | training time | tokens/s | validation loss (whole file) "
-        "| time-to-loss |"
+        "| recipe | shape | budget | steps | predicted (taken / predicted) | training time | tokens/s "
+        "| validation loss (whole file) | time-to-loss |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     names = list(dict.fromkeys(r["name"] for r in results))
     summary: dict[str, Any] = {
         "corpus": args.corpus,
@@ -392,8 +395,11 @@ def main() -> None:
         ratio = time_to_loss(target, mine) if not name.startswith("spec") else ""
         summary["time_to_loss"][name] = ratio
         for r in (r for r in results if r["name"] == name):
+            predicted = r.get("predicted_steps")
+            prediction = f"{predicted:,} ({r['steps'] / predicted:.2f})" if predicted else ""
             print(
-                f"| {name} | {r['shape']} | {r['budget']:g} {unit} | {r['steps']:,} | {r['training_s']:.0f} s | "
+                f"| {name} | {r['shape']} | {r['budget']:g} {unit} | {r['steps']:,} | {prediction} "
+                f"| {r['training_s']:.0f} s | "
                 f"{r['tokens_per_s']:,.0f} | {r['val_loss']:.4f} | "
                 f"{ratio if r['budget'] == max(mine) * T else ''} |"
             )
