@@ -43,6 +43,7 @@ BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": Tr
 def to_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
     """The `tokenizer.json` that encodes and decodes exactly as `tokenizer`."""
     options = tokenizer.options
+    added = {tokenizer.token_id(content): content for content in tokenizer.special_tokens}
     byte_level = {
         **BYTE_LEVEL,
         "add_prefix_space": options.add_prefix_space,
@@ -86,7 +87,10 @@ def to_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
             "fuse_unk": False,
             "byte_fallback": False,
             "ignore_merges": options.ignore_merges,
-            "vocab": {token_to_text(token): i for i, token in sorted(tokenizer.vocab.items())},
+            # An added token is in the vocabulary under its own text, where `tokenizers` looks for its id.
+            "vocab": {
+                added.get(i) or token_to_text(token): i for i, token in sorted(tokenizer.vocab.items())
+            },
             "merges": [f"{token_to_text(a)} {token_to_text(b)}" for a, b in tokenizer.merges],
         },
     }

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import regex
+
 from scratchlm.errors import ScratchlmError
 from scratchlm.tokenizer.options import AddedToken, EncodingOptions, compile_pattern
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
@@ -74,6 +76,16 @@ def from_tokenizer_json(data: Any, source: str, chat_template: str | None = None
             raise ScratchlmError(f"{source}: model.merges[{rank}] = {merge!r} is not two byte-level tokens")
         merges.append(tuple(bytes(table[c] for c in part) for part in parts))
 
+    model_vocab = model.get("vocab", {})
+    if len(model_vocab) <= max(model_vocab.values(), default=-1):
+        # `tokenizers` numbers an added token that the model's vocabulary lacks after the vocabulary's size,
+        # whatever id the file gives it: with holes in the ids, that is another id.
+        for i, token in enumerate(data.get("added_tokens") or []):
+            if token["content"] not in model_vocab:
+                raise ScratchlmError(
+                    f"{source}: added_tokens[{i}] ({token['content']!r}) is not in model.vocab, whose ids have "
+                    "holes: HF tokenizers would give it another id than its own"
+                )
     tokens = set(vocab.values())
     missing = [b for b in range(256) if bytes([b]) not in tokens]
     if missing:
@@ -137,7 +149,7 @@ def _pre_tokenizer(pre: Any, source: str) -> tuple[tuple[str, ...], bool, bool]:
         if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str):
             regex_text = pattern["Regex"]
         elif isinstance(pattern, dict) and isinstance(pattern.get("String"), str):
-            regex_text = "".join(f"\\x{{{ord(c):x}}}" for c in pattern["String"])  # the literal text
+            regex_text = regex.escape(pattern["String"])  # the literal text
         else:
             raise ScratchlmError(
                 f"{source}: pre_tokenizer Split pattern {pattern!r} is not a Regex or a String"
