@@ -16,6 +16,7 @@ line each.
     checkpoint.py       scratchlm itself: a checkpoint (a sharded one consolidated) as one checkpoint file;
                         `export_checkpoint`
     tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`
+    tokenizer_json_read.py  reading a tokenizer.json: what is accepted (as `EncodingOptions`) and what is refused
     verify.py           the logits check every export passes before it is declared a success
 
 This module holds what every format shares and the command line's parser may import (no torch): the

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from scratchlm.console import console
+from scratchlm.errors import ScratchlmError
 from scratchlm.interop import LLAMA, require, stop_ids
 from scratchlm.interop.adapter import StateDictAdapter
 from scratchlm.interop.formats import ExportResult
@@ -107,6 +108,12 @@ def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], l
 
 def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: str, name: str) -> None:
     """Write the GGUF file of `model` and `tokenizer` to `path` (see the module docstring)."""
+    if not tokenizer.options.is_default:
+        # The file names GPT-2's pre-tokenizer; llama.cpp would cut this tokenizer's text otherwise.
+        raise ScratchlmError(
+            "GGUF export writes GPT-2's byte-level tokenizer; this one (imported from a tokenizer.json) differs "
+            f"in {', '.join(tokenizer.options.changed())}"
+        )
     gguf = require("gguf")
     c = model.config
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -75,6 +75,11 @@ class EncodingOptions:
             and not any(token.normalized for token in self.added_tokens)
         )
 
+    def changed(self) -> list[str]:
+        """The names of the fields that are not at their defaults."""
+        default = EncodingOptions()
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
     def added_token(self, content: str) -> AddedToken:
         """The flags of the added token `content` (a plain special token unless listed)."""
         return next((t for t in self.added_tokens if t.content == content), AddedToken(content))
