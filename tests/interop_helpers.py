@@ -4,6 +4,7 @@ checkpoints made by transformers itself, and the command line run in this proces
 from __future__ import annotations
 
 import functools
+import random
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,87 @@ def assert_one_line_error(status: int, err: str, *fragments: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+# Pieces of fuzzed text: prose with contractions, code, control bytes, emoji, CJK, combining marks, whitespace
+# runs, digits, added tokens' text with whitespace around it, and Latin-1 bytes.
+SEGMENTS = [
+    lambda r: " ".join(
+        r.choice(
+            [
+                "the",
+                "The",
+                "Hello",
+                "world",
+                "tokenizer",
+                "café",
+                "naïve",
+                "it's",
+                "DON'T",
+                "we'll",
+                "they'RE",
+                "hello",
+            ]
+        )
+        for _ in range(r.randint(1, 8))
+    ),
+    lambda r: r.choice(
+        [
+            "def f(x):\n    return x + 1\n",
+            "if (a && b) { c++; }",
+            "for i in range(10):\n\tpass",
+            "x = [1, 2, 3]  # list",
+            "a, b, c",
+            "!!! ??? ...",
+            "<x>",
+            "<e\u0301>",
+            "<é>",
+        ]
+    ),
+    lambda r: "".join(chr(r.randint(0, 0x1F)) for _ in range(r.randint(1, 4))),
+    lambda r: "".join(r.choice("😀🎉👍🏽❤️\u200d🔥🇫🇷") for _ in range(r.randint(1, 4))),
+    lambda r: "".join(chr(r.randint(0x4E00, 0x4FFF)) for _ in range(r.randint(1, 6))),
+    lambda r: "".join(
+        r.choice("aeouAE") + r.choice("\u0301\u0300\u0308\u0327") for _ in range(r.randint(1, 4))
+    ),
+    lambda r: "".join(
+        r.choice([" ", "  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u3000", "\x85", " \n "])
+        for _ in range(r.randint(1, 5))
+    ),
+    lambda r: (
+        "".join(r.choice("0123456789") for _ in range(r.randint(1, 12))) + r.choice(["", ".5", "%", "٣٤"])
+    ),
+    lambda r: (
+        r.choice([" ", "", "\n", "  "])
+        + r.choice(
+            [
+                "<|im_start|>",
+                "<|im_end|>",
+                "<|endoftext|>",
+                "<mask>",
+                "<sep>",
+                "<s>",
+                "</s>",
+                "<|begin_of_text|>",
+                "hello",
+                "ab",
+            ]
+        )
+        + r.choice([" ", "", "\n", "  "])
+    ),
+    lambda r: bytes(r.randint(0x80, 0xFF) for _ in range(3)).decode("latin-1"),
+]
+
+
+def fuzzed_documents(seed: int, total_chars: int) -> list[str]:
+    """Documents of 0 to 2,000 characters, `total_chars` in all, each a random mix of the segments."""
+    r = random.Random(seed)
+    documents, size = [], 0
+    while size < total_chars:
+        length = r.randint(0, 2_000)
+        parts: list[str] = []
+        while sum(map(len, parts)) < length:
+            parts.append(r.choice(SEGMENTS)(r))
+        documents.append("".join(parts))
+        size += len(documents[-1])
+    return documents

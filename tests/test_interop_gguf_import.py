@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import struct
 from pathlib import Path
 
@@ -23,14 +26,17 @@ from interop_helpers import (
     FIXTURE_TEXTS,
     assert_one_line_error,
     chat_tokenizer,
+    fuzzed_documents,
+    hf_tokenizer_json,
     make_run,
     run_cli,
     scratch_model,
     small_tokenizer,
 )
 
-from scratchlm import ModelConfig, generate, load_trained
+from scratchlm import ModelConfig, Tokenizer, generate, load_trained
 from scratchlm.interop.hf import HFAdapter
+from scratchlm.interop.tokenizer_json import from_tokenizer_json
 from scratchlm.tokenizer import END_OF_TEXT
 
 gguf = pytest.importorskip("gguf", reason="gguf is not installed (scratchlm[hf])")
@@ -124,8 +130,6 @@ def test_generate_runs_on_an_import_through_import_hf(tmp_path, capsys):
 
 
 def dataclass_tied(config: ModelConfig) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(config, num_kv_heads=1, tie_embeddings=True)
 
 
@@ -170,16 +174,39 @@ def random_q4_k(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(shape[0], -1)
 
 
-def write_gguf(
-    path: Path, config: ModelConfig, tensors: dict, edit=None, architecture: str = "llama"
-) -> Path:
-    """A GGUF file as llama.cpp's converter writes a Llama model with a GPT-2-style tokenizer (the small
-    tokenizer's, its token text spelled with transformers' copy of GPT-2's byte table). `tensors` maps names to
-    float32 arrays or (quantized bytes, GGML type); `edit(writer)` may add or change metadata before writing."""
+def small_vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """The small tokenizer as llama.cpp's converter lists it: (tokens, token types, merges) for `vocab_size`
+    ids, its token text spelled with transformers' copy of GPT-2's byte table, unused padding after it."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     spell = bytes_to_unicode()
     tokenizer = small_tokenizer()
+    tokens, types = [], []
+    for token_id in range(vocab_size):
+        token = tokenizer.vocab.get(token_id)
+        special = token is not None and token.decode("utf-8", "replace") in tokenizer.special_tokens
+        tokens.append(
+            token.decode() if special else "".join(spell[b] for b in token) if token else f"[PAD{token_id}]"
+        )
+        types.append(3 if special else 1 if token is not None else 5)
+    merges = [
+        "".join(spell[b] for b in a) + " " + "".join(spell[b] for b in b_) for a, b_ in tokenizer.merges
+    ]
+    return tokens, types, merges
+
+
+def write_gguf(
+    path: Path,
+    config: ModelConfig,
+    tensors: dict,
+    edit=None,
+    architecture: str = "llama",
+    vocabulary: tuple[list[str], list[int], list[str]] | None = None,
+) -> Path:
+    """A GGUF file as llama.cpp's converter writes a Llama model with a GPT-2-style tokenizer (`vocabulary`:
+    tokens, token types and merges; the small tokenizer's by default). `tensors` maps names to float32 arrays
+    or (quantized bytes, GGML type); `edit(writer)` may add or change metadata before writing."""
+    tokens, types, merges = vocabulary or small_vocabulary(config.vocab_size)
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_context_length(config.context_length)
     writer.add_embedding_length(config.d_model)
@@ -192,20 +219,10 @@ def write_gguf(
     writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
-    tokens, types = [], []
-    for token_id in range(config.vocab_size):
-        token = tokenizer.vocab.get(token_id)
-        special = token is not None and token.decode("utf-8", "replace") in tokenizer.special_tokens
-        tokens.append(
-            token.decode() if special else "".join(spell[b] for b in token) if token else f"[PAD{token_id}]"
-        )
-        types.append(3 if special else 1 if token is not None else 5)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(
-        ["".join(spell[b] for b in a) + " " + "".join(spell[b] for b in b_) for a, b_ in tokenizer.merges]
-    )
-    writer.add_eos_token_id(tokenizer.token_id(END_OF_TEXT))
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(types.index(3))  # the first control token is the end of a text
     if edit is not None:
         edit(writer)
     for name, tensor in tensors.items():
@@ -251,6 +268,136 @@ def test_quantized_files_import_as_transformers_reads_them(tmp_path, capsys, qty
     assert trained.tokenizer.encode(TEXT) == hf_tokenizer.encode(TEXT)
 
 
+# -- tokenizers that are not GPT-2's: tokenizer.ggml.pre -----------------------------------------------------------
+
+# Single-byte tokens a SmolLM-like vocabulary lacks (control bytes among them).
+MISSING = (0x00, 0x04, 0x05, 0x0B, 0x1B, 0x1F, 0x7F, 0xC0, 0xC1, 0xF5, 0xFE, 0xFF)
+# llama.cpp's split patterns for a "default" file, as its llama-vocab.cpp lists them, applied in turn.
+LLAMA_CPP_DEFAULT = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+
+
+@functools.cache
+def trained_vocabulary(pre: str, missing: tuple[int, ...] = ()) -> tuple[list[str], list[int], list[str]]:
+    """A small byte-level BPE that HF `tokenizers` trains on the fixture texts, cutting text as transformers' GGUF
+    reader cuts a file whose tokenizer.ggml.pre is `pre`, listed as llama.cpp's converter lists it: (tokens,
+    token types, merges), the end and the beginning of text first, as control tokens. The tokens with a byte
+    of `missing` are left out, with their merges, as SmolLM's vocabulary lacks some single-byte tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's, for other names
+    if pre in GGUF_PRE_TOKENIZER_SPLITS:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        split = pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), "isolated")
+        trained.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # GPT-2's end of text: transformers' GGUF reader adds it (its unknown token) when the file lacks it
+        special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
+        show_progress=False,
+    )
+    trained.train_from_iterator([fixture_path(name).read_text() for name in FIXTURE_TEXTS], trainer)
+    model = json.loads(trained.to_str())["model"]
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    gone = {bytes_to_unicode()[b] for b in missing}
+    tokens = [
+        text for text, _ in sorted(model["vocab"].items(), key=lambda item: item[1]) if not set(text) & gone
+    ]
+    merges = [" ".join(merge) for merge in model["merges"] if not set("".join(merge)) & gone]
+    return tokens, [3, 3] + [1] * (len(tokens) - 2), merges
+
+
+def import_trained(tmp_path: Path, capsys, pre: str, missing: tuple[int, ...] = ()) -> tuple[Path, Path]:
+    """(the GGUF file of a small model with `trained_vocabulary(pre, missing)` under the name `pre`, its import)."""
+    vocabulary = trained_vocabulary(pre, missing)
+    config = dataclasses.replace(SMALL, vocab_size=len(vocabulary[0]))
+    path = write_gguf(
+        tmp_path / f"{pre}.gguf",
+        config,
+        llama_tensors(config),
+        lambda writer: writer.add_tokenizer_pre(pre),  # a second value of a key replaces the first
+        vocabulary=vocabulary,
+    )
+    return path, import_gguf(path, tmp_path / f"imported-{pre}", capsys)
+
+
+def assert_encodes_as_transformers(run: Path, path: Path, seed: int) -> None:
+    """The run's tokenizer gives the ids of transformers' reading of the GGUF file `path` on fuzzed text, where
+    transformers reads the file as llama.cpp does. Where they differ, transformers' tokenizer is given llama.cpp's
+    reading first: for Llama 3's names, `ignore_merges` (a pre-token that is a token is that token), which
+    transformers' GGUF reader leaves out; for "smollm", SmolLM's own pre-tokenizer (each digit on its own, then
+    GPT-2's pattern), and for "default" llama.cpp's patterns, where transformers' reader takes GPT-2's pattern
+    alone."""
+    from tokenizers import Regex, pre_tokenizers
+
+    ours = Tokenizer.from_dir(run / "tokenizer")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    theirs.backend_tokenizer.model.ignore_merges = ours.options.ignore_merges
+    name = gguf.GGUFReader(path).get_field("tokenizer.ggml.pre").contents()
+    if name == "smollm":
+        theirs.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if name == "default":
+        splits = [pre_tokenizers.Split(Regex(pattern), "isolated") for pattern in LLAMA_CPP_DEFAULT]
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        theirs.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    for document in fuzzed_documents(seed, 100_000):
+        assert ours.encode(document) == theirs.encode(document, add_special_tokens=False), document
+
+
+@pytest.mark.parametrize(
+    ("pre", "missing"),
+    [
+        ("llama-bpe", ()),
+        ("llama3", ()),
+        ("qwen2", ()),
+        ("llama-bpe", MISSING),
+        ("smollm", MISSING),
+        ("default", ()),
+    ],
+)
+def test_tokenizers_of_every_pre_name_import_as_llama_cpp_reads_them(tmp_path, capsys, pre, missing):
+    path, run = import_trained(tmp_path, capsys, pre, missing)
+    assert_encodes_as_transformers(run, path, seed=len(pre) + len(missing))
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm"])
+def test_an_imported_tokenizer_exports_under_its_pre_name_and_comes_back(tmp_path, capsys, pre):
+    _, run = import_trained(tmp_path, capsys, pre)
+    exported = tmp_path / "exported.gguf"
+    argv = ["export", "--run", str(run), "--format", "gguf", "--out", str(exported)]
+    status, _, err = run_cli(argv, capsys)
+    assert status == 0, err
+    assert gguf.GGUFReader(exported).get_field("tokenizer.ggml.pre").contents() == pre
+    again = import_gguf(exported, tmp_path / "again", capsys)
+    before, after = Tokenizer.from_dir(run / "tokenizer"), Tokenizer.from_dir(again / "tokenizer")
+    assert after.fingerprint == before.fingerprint and after.options == before.options
+    assert_encodes_as_transformers(again, exported, seed=5)
+
+
+def test_export_refuses_a_tokenizer_no_pre_name_encodes_as_in_one_line(tmp_path, capsys):
+    """A prefix space (RoBERTa's, say) is no setting of llama.cpp's byte-level BPE: no GGUF is written."""
+    data = json.loads(hf_tokenizer_json(small_tokenizer(), tmp_path).read_text())
+    data["pre_tokenizer"]["add_prefix_space"] = True
+    tokenizer = from_tokenizer_json(data, "tokenizer.json")
+    make_run(tmp_path / "run", scratch_model(SMALL), tokenizer)
+    out = tmp_path / "model.gguf"
+    status, _, err = run_cli(
+        ["export", "--run", str(tmp_path / "run"), "--format", "gguf", "--out", str(out)], capsys
+    )
+    assert_one_line_error(status, err, "tokenizer.ggml.pre", "add_prefix_space")
+    assert not out.exists()
+
+
 # -- refusals --------------------------------------------------------------------------------------------------
 
 
@@ -287,10 +434,6 @@ REFUSALS = {
     "unknown pre": (
         dict(edit=lambda w: w.add_tokenizer_pre("mystery")),
         "tokenizer.ggml.pre = 'mystery' is a",
-    ),
-    "llama 3 pre": (
-        dict(edit=lambda w: w.add_tokenizer_pre("llama-bpe")),
-        "tokenizer.ggml.pre = 'llama-bpe' cuts text with patterns other than GPT-2's",
     ),
 }
 

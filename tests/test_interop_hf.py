@@ -384,7 +384,7 @@ CORRUPTIONS = {
         ),
         "pre_tokenizer Metaspace is not byte-level",
     ),
-    "llama 3 pattern": (
+    "split that removes its matches": (
         lambda d: _tokenizer_json(
             d,
             lambda j: j.update(
@@ -394,7 +394,7 @@ CORRUPTIONS = {
                         {
                             "type": "Split",
                             "pattern": {"Regex": LLAMA3_PATTERN},
-                            "behavior": "Isolated",
+                            "behavior": "Removed",
                             "invert": False,
                         },
                         {
@@ -407,11 +407,23 @@ CORRUPTIONS = {
                 }
             ),
         ),
-        "is not GPT-2's regular expression",
+        "pre_tokenizer Split behavior 'Removed'",
+    ),
+    "single word": (
+        lambda d: _tokenizer_json(d, lambda j: j["added_tokens"][0].update(single_word=True)),
+        "added_tokens[0].single_word is true",
+    ),
+    "byte fallback without some bytes": (
+        lambda d: _tokenizer_json(
+            d, lambda j: (j["model"].update(byte_fallback=True), j["model"]["vocab"].pop("\u0104"))
+        ),
+        "model.byte_fallback = True with a vocabulary that lacks 1 single-byte tokens (first: b'\\x04')",
     ),
     "normalizer": (
-        lambda d: _tokenizer_json(d, lambda j: j.update(normalizer={"type": "NFC"})),
-        "normalizer 'NFC' is not supported",
+        lambda d: _tokenizer_json(
+            d, lambda j: j.update(normalizer={"type": "Sequence", "normalizers": [{"type": "Lowercase"}]})
+        ),
+        "normalizer 'Lowercase' is not supported",
     ),
     "unigram": (
         lambda d: _tokenizer_json(d, lambda j: j["model"].update(type="Unigram")),

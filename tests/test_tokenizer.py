@@ -40,7 +40,13 @@ FRAGMENTS = [
     *["👍", "👨\u200d👩\u200d👧", "🏳️\u200d🌈", "\U0001f600", "!", "?!", "...", "—", "$", "\\", "\x00"],
     *["<|", "|>", "<|endoftext", "endoftext|>", "<", END_OF_TEXT, END_OF_TEXT, "\n" + END_OF_TEXT + "\n"],
 ]
-texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=40).map("".join)
+# Only code points assigned in Python's Unicode version (no category Cn): `regex` and tiktoken each carry their
+# own, newer Unicode tables, which disagree on code points assigned since (U+323B0 is a letter to one of them
+# only), and such a disagreement says nothing about scratchlm.
+assigned = st.characters(exclude_categories=("Cn",))
+texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(assigned, max_size=6)), max_size=40).map(
+    "".join
+)
 
 
 @pytest.fixture(scope="module")

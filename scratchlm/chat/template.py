@@ -191,5 +191,7 @@ def with_chat_tokens(tokenizer: Tokenizer) -> tuple[Tokenizer, list[str]]:
     """`tokenizer` carrying scratchlm's chat template, with the template's special tokens it lacked added
     (the next free ids); returns it and the tokens added."""
     added = [token for token in TEMPLATE_TOKENS if token not in tokenizer.special_tokens]
-    chat = Tokenizer(tokenizer.vocab, tokenizer.merges, [*tokenizer.special_tokens, *added], JINJA)
+    chat = Tokenizer(
+        tokenizer.vocab, tokenizer.merges, [*tokenizer.special_tokens, *added], JINJA, tokenizer.options
+    )
     return chat, added

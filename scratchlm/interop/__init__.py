@@ -19,8 +19,10 @@ line each.
     imported.py         what every import shares: a model and tokenizer written as a run directory
     checkpoint.py       scratchlm itself: a checkpoint (a sharded one consolidated) as one checkpoint file;
                         `export_checkpoint`
-    tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`; the decoding of
-                        byte-level token text that GGUF's tokenizer shares
+    tokenizer_json.py   HF `tokenizers`' tokenizer.json <-> scratchlm's byte-level BPE `Tokenizer`
+    tokenizer_json_read.py  reading a tokenizer.json: what is accepted (as `EncodingOptions`) and what is
+                        refused; `byte_level_tokenizer`, the one way token texts, merges and special tokens
+                        become a `Tokenizer`, which GGUF's reading shares
     verify.py           the logits check every export passes before it is declared a success
 
 This module holds what every format shares and the command line's parser may import (no torch): the

@@ -7,7 +7,8 @@ architecture reads:
     llama.context_length, .embedding_length (d_model), .block_count, .feed_forward_length (d_ff),
     llama.attention.head_count, .head_count_kv, .layer_norm_rms_epsilon, llama.rope.freq_base (theta),
     llama.rope.dimension_count (the head size, all of it rotated), llama.vocab_size
-    tokenizer.ggml.model = "gpt2" (byte-level BPE), .pre = "gpt-2" (GPT-2's pre-tokenizer pattern),
+    tokenizer.ggml.model = "gpt2" (byte-level BPE), .pre (how text is cut: "gpt-2" for GPT-2's pattern, the
+    name of an imported tokenizer's patterns, `PRE_TOKENIZERS`),
     tokenizer.ggml.tokens (each token's text in GPT-2's printable byte form, special tokens as written),
     .token_type (1 normal, 3 control = special, 5 unused = padding up to the model's vocab_size),
     .merges ("a b", in rank order), .bos_token_id / .eos_token_id (<|endoftext|>), .add_bos_token = false
@@ -31,6 +32,7 @@ and a matrix whose rows are not a whole number of 32-weight blocks falls back to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from scratchlm.console import console
+from scratchlm.errors import ScratchlmError
 from scratchlm.interop import LLAMA, require, stop_ids
 from scratchlm.interop.adapter import StateDictAdapter
 from scratchlm.interop.formats import ExportResult
@@ -54,6 +57,7 @@ from scratchlm.interop.verify import (
 from scratchlm.io import check_output_file
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.load import TrainedModel
+from scratchlm.tokenizer.options import EncodingOptions
 from scratchlm.tokenizer.serialization import token_to_text
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -61,6 +65,39 @@ from scratchlm.tokenizer.tokenizer import Tokenizer
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 # llama.cpp's token types (`llama_token_type`); scratchlm writes the first two and the last, and reads all four
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+# llama.cpp's split patterns (llama-vocab.cpp), applied in turn as `EncodingOptions.split_patterns`. Its GPT-2
+# pattern lacks the final `|\s+`, which changes no cut: llama.cpp keeps unmatched text as a piece of its own.
+_LLAMA_CPP_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_LLAMA3_OPTIONS = EncodingOptions(split_patterns=(_LLAMA3,), byte_level_regex=False, ignore_merges=True)
+# tokenizer.ggml.pre -> how llama.cpp cuts the text of a "gpt2" (byte-level BPE) vocabulary, as the
+# `EncodingOptions` of the tokenizer.json each name comes from (the patterns as that file spells them; llama.cpp
+# respells `(?i:'s|...)` as `'[sS]|...`). Where transformers' GGUF reader differs, the file's producer,
+# llama.cpp, is followed: transformers cuts "default" and "smollm" with GPT-2's pattern alone, and applies
+# Llama 3's merges to every pre-token (llama.cpp sets `ignore_merges` for Llama 3 only). Export writes the
+# first name whose options are the tokenizer's (`pre_tokenizer_name`).
+PRE_TOKENIZERS: dict[str, EncodingOptions] = {
+    "gpt-2": EncodingOptions(),
+    # punctuation runs first, then GPT-2's pattern, then digit runs, then digits in threes from the left
+    "default": EncodingOptions(
+        split_patterns=(r"[\p{P}\$\+<=>\^~\|]+", _LLAMA_CPP_GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),
+        byte_level_regex=False,
+    ),
+    "llama-bpe": _LLAMA3_OPTIONS,
+    "llama3": _LLAMA3_OPTIONS,
+    "llama-v3": _LLAMA3_OPTIONS,
+    "qwen2": EncodingOptions(split_patterns=(_QWEN2,), byte_level_regex=False),
+    # each digit on its own, then GPT-2's pattern: SmolLM's Digits(individual_digits) then ByteLevel
+    "smollm": EncodingOptions(split_patterns=(r"\p{N}",)),
+}
 
 
 class GGUFAdapter(StateDictAdapter):
@@ -106,8 +143,25 @@ def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], l
     return tokens, types, merges
 
 
+def pre_tokenizer_name(options: EncodingOptions) -> str:
+    """The `tokenizer.ggml.pre` under which llama.cpp encodes as a tokenizer with `options`; a one-line error
+    naming the options when no name does (a prefix space, NFC, added-token flags, a BOS put before the text,
+    another split pattern). A vocabulary's missing single-byte tokens need no name: its tokens say so, and
+    llama.cpp drops such a byte as scratchlm does."""
+    carried = dataclasses.replace(options, drop_missing_bytes=False)
+    name = next((name for name, known in PRE_TOKENIZERS.items() if known == carried), None)
+    if name is None:
+        raise ScratchlmError(
+            "GGUF export writes a tokenizer llama.cpp encodes by its tokenizer.ggml.pre name (one of "
+            f"{', '.join(PRE_TOKENIZERS)}); none encodes as this one, whose options "
+            f"{', '.join(carried.changed())} differ from GPT-2's as no name's do"
+        )
+    return name
+
+
 def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: str, name: str) -> None:
     """Write the GGUF file of `model` and `tokenizer` to `path` (see the module docstring)."""
+    pre = pre_tokenizer_name(tokenizer.options)  # before anything is written
     gguf = require("gguf")
     c = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -126,7 +180,7 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
 
     tokens, types, merges = gguf_vocabulary(tokenizer, c.vocab_size)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -17,7 +17,10 @@ What becomes what:
     tokenizer.ggml.*               the `Tokenizer`: model "gpt2" (byte-level BPE; "llama", SentencePiece, is
                                    refused), tokens in GPT-2's printable byte form, merges, token_type (control
                                    and user-defined tokens become special tokens, matched whole; unused ones,
-                                   padding up to the model's vocabulary, are left out), pre (`PRE_TOKENIZERS`)
+                                   padding up to the model's vocabulary, are left out), pre: the split
+                                   patterns, as llama.cpp reads the name (`gguf.PRE_TOKENIZERS`: gpt-2,
+                                   default, Llama 3's, qwen2, smollm; another name is refused). A byte
+                                   without a token of its own is dropped from the text, as llama.cpp drops it
     tokenizer.chat_template        the chat template (Jinja), kept when scratchlm can render it
 
 Every tensor is dequantized to float32 by the `gguf` package's own `gguf.quants.dequantize`, bit-exact with
@@ -44,40 +47,23 @@ from torch import Tensor
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
 from scratchlm.interop import LLAMA, one_of, require
-from scratchlm.interop.gguf import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, GGUFAdapter
+from scratchlm.interop.gguf import (
+    PRE_TOKENIZERS,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_UNUSED,
+    TOKEN_USER_DEFINED,
+    GGUFAdapter,
+)
 from scratchlm.interop.imported import import_run
-from scratchlm.interop.tokenizer_json import byte_level_tokenizer, usable_template
+from scratchlm.interop.tokenizer_json import usable_template
+from scratchlm.interop.tokenizer_json_read import byte_level_tokenizer
 from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.load import check_pair
 from scratchlm.tokenizer import END_OF_TEXT
-from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> the patterns that cut text into pre-tokens, applied in turn, each cutting the pieces of
-# the one before (as llama.cpp's llama-vocab.cpp lists them, and the tokenizer.json each name comes from).
-# "default" is GPT-2's, as transformers' GGUF reader takes it; llama.cpp cuts such a file with a sequence of
-# its own (punctuation runs first, then GPT-2's pattern, then digits in threes), so its ids may differ there. Llama 3's files also skip the merges of a pre-token that is itself
-# a token (`ignore_merges`), which makes no difference to the ids of Llama 3's own merges.
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "default": (GPT2_SPLIT_PATTERN,),
-    "gpt-2": (GPT2_SPLIT_PATTERN,),
-    "llama-bpe": (_LLAMA3,),
-    "llama3": (_LLAMA3,),
-    "llama-v3": (_LLAMA3,),
-    "qwen2": (_QWEN2,),
-    "smollm": (r"\p{N}", GPT2_SPLIT_PATTERN),  # each digit on its own, then GPT-2's
-}
-# What scratchlm's `Tokenizer` cuts text with: GPT-2's pattern alone.
-TOKENIZER_PATTERNS = (GPT2_SPLIT_PATTERN,)
 TOKEN_TYPE_NAMES = {2: "unknown", 6: "byte"}  # the types of SentencePiece vocabularies, not of byte-level BPE
 
 _REQUIRED = object()
@@ -222,11 +208,6 @@ def tokenizer_from_gguf(file: GGUFFile) -> Tokenizer | None:
             f"{file.path}: tokenizer.ggml.pre = {pre!r} is a pre-tokenizer scratchlm does not know (it knows "
             f"{one_of([repr(name) for name in PRE_TOKENIZERS])})"
         )
-    if PRE_TOKENIZERS[pre] != TOKENIZER_PATTERNS:
-        raise ScratchlmError(
-            f"{file.path}: tokenizer.ggml.pre = {pre!r} cuts text with patterns other than GPT-2's, which is all "
-            "scratchlm's tokenizer takes for now ('gpt-2')"
-        )
     tokens = file.field("tokenizer.ggml.tokens", list)
     types = file.field("tokenizer.ggml.token_type", list, [TOKEN_NORMAL] * len(tokens))
     if len(types) != len(tokens):
@@ -249,7 +230,9 @@ def tokenizer_from_gguf(file: GGUFFile) -> Tokenizer | None:
     merges = file.field("tokenizer.ggml.merges", list, [])
     template = file.field("tokenizer.chat_template", str, None)
     fields = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-    tokenizer = byte_level_tokenizer(texts, merges, specials, str(file.path), template, fields)
+    tokenizer = byte_level_tokenizer(
+        texts, merges, specials, str(file.path), template, PRE_TOKENIZERS[pre], fields
+    )
     _warn_of_other_ends(file, tokenizer)
     return usable_template(tokenizer, file.path)
 

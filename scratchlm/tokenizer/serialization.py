@@ -13,7 +13,8 @@ its bytes, becomes a string without spaces or newlines. That makes the files los
 A tokenizer directory holds these two files and `special_tokens.json`, the list of special tokens (each is
 also in `vocab.json`), plus the output marker that lets a later save replace it (`scratchlm.io`). A chat
 model's tokenizer also holds `chat_template.jinja`, its chat template (`scratchlm.chat`), in the file and the
-language transformers uses.
+language transformers uses. A tokenizer imported from a `tokenizer.json` that does not encode exactly as GPT-2's
+also holds `encoding.json`, its `EncodingOptions` (`options.py`); without it a directory encodes as GPT-2.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+ENCODING_FILE = "encoding.json"
 TOKENIZER_KIND = "tokenizer"  # the output marker of a tokenizer directory (scratchlm.io)
 
 
@@ -77,10 +79,11 @@ def save_tokenizer(
     merges: list[tuple[bytes, bytes]],
     special_tokens: list[str] | None = None,
     chat_template: str | None = None,
+    encoding: dict | None = None,
 ) -> Path:
-    """Write `vocab.json`, `merges.txt`, `special_tokens.json` and the `chat_template` (when there is one) into
-    `directory`, atomically as a whole; an existing `directory` is replaced only when it is an earlier
-    tokenizer (or empty)."""
+    """Write `vocab.json`, `merges.txt`, `special_tokens.json`, the `chat_template` and the `encoding` options
+    (each when there is one) into `directory`, atomically as a whole; an existing `directory` is replaced only
+    when it is an earlier tokenizer (or empty)."""
     directory = Path(directory)
     ids_of: dict[bytes, int] = {}
     for token_id, token in sorted(vocab.items()):
@@ -101,6 +104,9 @@ def save_tokenizer(
         if chat_template is not None:
             with atomic_write(tmp / CHAT_TEMPLATE_FILE, "w") as f:
                 f.write(chat_template)
+        if encoding is not None:
+            with atomic_write(tmp / ENCODING_FILE, "w") as f:
+                json.dump(encoding, f, ensure_ascii=False, indent=1)
     return directory
 
 
@@ -191,6 +197,18 @@ def load_chat_template(directory: str | os.PathLike) -> str | None:
     """The chat template of a tokenizer directory, None when it has none (a base model's tokenizer)."""
     path = Path(directory) / CHAT_TEMPLATE_FILE
     return _read_text(path) if path.exists() else None
+
+
+def load_encoding(directory: str | os.PathLike) -> object | None:
+    """The parsed `encoding.json` of a tokenizer directory (checked by `EncodingOptions.from_dict`), None when
+    it has none."""
+    path = Path(directory) / ENCODING_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise ScratchlmError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None
 
 
 def _read_text(path: Path) -> str:

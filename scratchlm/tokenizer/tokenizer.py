@@ -10,13 +10,13 @@ Encoding follows the order of training, so that a text is cut exactly where the 
    (the order in which training created the merges) until no pair of the pre-token is a merge.
 
 Step 3 depends on nothing but the pre-token, and real text repeats its words, so the ids of each pre-token are
-cached (`_BoundedCache`, bounded). With a warm cache, encoding is one regex `findall` and one C-level dict
+cached (`bpe.BoundedCache`, bounded). With a warm cache, encoding is one regex `findall` and one C-level dict
 lookup per pre-token, flattened by `itertools.chain`: no Python code runs per token, which is where the speed
-comes from. Only a pre-token not seen recently is merged, by `_bpe`.
+comes from. Only a pre-token not seen recently is merged, by `bpe.PretokenMerger`.
 
 Streaming (`encode_iterable`) needs places where the text can be cut without changing its encoding, which
 `safe_cut` finds: after a special token that no later text can extend into a longer one, or between two
-characters where GPT-2's pattern always ends a pre-token whatever follows (see `_CUT_RE`). Decoding ids that
+characters where GPT-2's pattern always ends a pre-token whatever follows (`streaming.SafeCut`). Decoding ids that
 arrive one at a time, as generation produces them, is `detokenizer()`'s (`Detokenizer`).
 """
 
@@ -24,30 +24,33 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import heapq
 import itertools
+import json
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-import regex
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer.bpe import BoundedCache, PretokenMerger, index_vocabulary
+from scratchlm.tokenizer.options import EncodingOptions
+from scratchlm.tokenizer.pipeline import Pipeline
 from scratchlm.tokenizer.pretokenize import (
-    CUT_PATTERN,
+    ASCII_PRETOKEN_RE,
     PRETOKEN_RE,
     special_tokens_regex,
     split_on_special_tokens,
 )
 from scratchlm.tokenizer.serialization import (
+    ENCODING_FILE,
     load_chat_template,
+    load_encoding,
     load_merges,
     load_tokenizer_files,
     load_vocab,
     save_tokenizer,
 )
+from scratchlm.tokenizer.streaming import SafeCut, regroup
 
 # Pre-tokens whose ids are kept (roughly 150 bytes each, so about 20 MB when full): enough for the distinct
 # pre-tokens of tens of megabytes of real text, bounded however much text passes through.
@@ -56,25 +59,16 @@ CACHE_SIZE = 1 << 17
 # Characters `encode_iterable` gathers before it looks for a place to cut.
 STREAM_CHUNK_CHARS = 1 << 16
 
-# Where text may be cut (`pretokenize.CUT_PATTERN`); `(?r)` searches backwards: the last cut in a window is
-# found first.
-_CUT_RE = regex.compile(r"(?r)" + CUT_PATTERN)
-
-
-# GPT-2's pattern for ASCII text, for the standard `re` module, which runs it about twice as fast as `regex` runs
-# the Unicode pattern; most documents of English corpora are pure ASCII. On ASCII the classes coincide:
-# \p{L} = [A-Za-z], \p{N} = [0-9], \s = [\t\n\x0b\x0c\r ] (the tests check all 128 characters).
-_WS = r"\t\n\x0b\x0c\r "
-ASCII_PRETOKEN_RE = re.compile(
-    rf"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"""
-)
-
 
 class Tokenizer:
     """A byte-level BPE tokenizer: `vocab` maps ids to byte strings, `merges` lists the merges in creation order.
 
     Special tokens not in `vocab` are added with the next free ids. Every merge must join two tokens of the
-    vocabulary into a third. `chat_template`: a chat model's (Jinja, `scratchlm.chat`), carried along."""
+    vocabulary into a third. `chat_template`: a chat model's (Jinja, `scratchlm.chat`), carried along.
+    `options`: how an imported tokenizer departs from GPT-2's encoding (`EncodingOptions`); `special_tokens`
+    then lists all its added tokens, the options giving the flags of those that are not plain special tokens.
+    A tokenizer with default options takes the fast path of the module docstring; the others go through
+    `Pipeline`, which mirrors HF `tokenizers`."""
 
     def __init__(
         self,
@@ -82,28 +76,26 @@ class Tokenizer:
         merges: list[tuple[bytes, bytes]],
         special_tokens: list[str] | None = None,
         chat_template: str | None = None,
+        options: EncodingOptions | None = None,
     ) -> None:
         self.vocab: dict[int, bytes] = dict(vocab)
         self.merges: list[tuple[bytes, bytes]] = list(merges)
         self.special_tokens: list[str] = list(dict.fromkeys(special_tokens or []))
         self.chat_template = chat_template
+        self.options = options or EncodingOptions()
 
         # Special tokens not in the vocabulary join it here, with the next free ids.
         self._token_ids, self._special_ids = index_vocabulary(self.vocab, self.special_tokens)
+        unknown = [t.content for t in self.options.added_tokens if t.content not in self._special_ids]
+        if unknown:
+            raise ScratchlmError(f"added token {unknown[0]!r} is not among the special tokens")
+        self._pipeline = None
+        if not self.options.gpt2_pretokens or self.options.added_tokens:
+            self._pipeline = Pipeline(self.options, self._special_ids)
         self._special_re = special_tokens_regex(self.special_tokens)
-        self._longest_special = max(map(len, self.special_tokens), default=0)
+        self._safe_cut = SafeCut(self.special_tokens, self.options)
 
-        missing_bytes = [b for b in range(256) if bytes([b]) not in self._token_ids]
-        if missing_bytes:
-            raise ScratchlmError(
-                f"the vocabulary lacks {len(missing_bytes)} single-byte tokens (first: {bytes(missing_bytes[:1])!r});"
-                " a byte-level vocabulary needs all 256"
-            )
-        self._byte_ids: list[int] = [self._token_ids[bytes([b])] for b in range(256)]
-
-        self._merges = merge_table(self.merges, self._token_ids)
-
-        self._cache = _BoundedCache(self._bpe, CACHE_SIZE)
+        self._cache = BoundedCache(PretokenMerger(self._token_ids, self.merges, self.options), CACHE_SIZE)
 
     # -- construction and saving ------------------------------------------------------------------------------
 
@@ -126,18 +118,24 @@ class Tokenizer:
     def from_dir(cls, directory: str | os.PathLike) -> Tokenizer:
         """Load a tokenizer directory written by `save` (or `save_tokenizer`)."""
         vocab, merges, special_tokens = load_tokenizer_files(directory)
+        options = load_encoding(directory)
+        if options is not None:
+            options = EncodingOptions.from_dict(options, str(Path(directory) / ENCODING_FILE))
         try:
-            return cls(vocab, merges, special_tokens, load_chat_template(directory))
+            return cls(vocab, merges, special_tokens, load_chat_template(directory), options)
         except ScratchlmError as e:
             raise ScratchlmError(f"{directory}: {e}") from None
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write the tokenizer's files (`save_tokenizer`) into `directory`, atomically."""
-        return save_tokenizer(directory, self.vocab, self.merges, self.special_tokens, self.chat_template)
+        encoding = None if self.options.is_default else self.options.to_dict()
+        return save_tokenizer(
+            directory, self.vocab, self.merges, self.special_tokens, self.chat_template, encoding
+        )
 
     def __reduce__(self) -> tuple:
         # Rebuilt from its definition: the cache is not worth sending to another process.
-        return (type(self), (self.vocab, self.merges, self.special_tokens, self.chat_template))
+        return (type(self), (self.vocab, self.merges, self.special_tokens, self.chat_template, self.options))
 
     def __repr__(self) -> str:
         return (
@@ -147,8 +145,9 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """A SHA-256 of the vocabulary, the merges and the special tokens: equal for two tokenizers exactly
-        when they encode and decode alike. A checkpoint records it, so a model is never paired with a
+        """A SHA-256 of the vocabulary, the merges, the special tokens and the encoding options (when they are
+        not the defaults, so that GPT-2-style tokenizers keep their fingerprints): equal for two tokenizers
+        exactly when they encode and decode alike. A checkpoint records it, so a model is never paired with a
         tokenizer it was not trained with."""
         digest = hashlib.sha256()
         for token_id, token in sorted(self.vocab.items()):
@@ -157,6 +156,8 @@ class Tokenizer:
             digest.update(b"m%d:%d:" % (len(left), len(right)) + left + right)
         for special in self.special_tokens:
             digest.update(b"s%d:" % len(special.encode()) + special.encode())
+        if not self.options.is_default:
+            digest.update(b"o" + json.dumps(self.options.to_dict(), sort_keys=True).encode())
         return digest.hexdigest()
 
     @property
@@ -181,16 +182,35 @@ class Tokenizer:
 
     # -- encoding ---------------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """The token ids of `text`, where the text of a special token becomes that token."""
-        ids: list[int] = []
-        for piece, is_special in split_on_special_tokens(text, self._special_re):
-            ids.extend((self._special_ids[piece],) if is_special else self._ordinary(piece))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The token ids of `text`, where the text of a special token becomes that token: HF `tokenizers`'
+        `encode(text, add_special_tokens=False).ids`. With `add_special_tokens`, the ids its post-processor
+        adds around them too (an imported tokenizer's BOS): `tokenizers`' default `encode(text).ids`."""
+        if self._pipeline is not None:
+            ids = self._pipeline_ids(text, ordinary=False)
+        else:
+            ids = []
+            for piece, is_special in split_on_special_tokens(text, self._special_re):
+                ids.extend((self._special_ids[piece],) if is_special else self._ordinary(piece))
+        if add_special_tokens and (self.options.prefix_ids or self.options.suffix_ids):
+            return [*self.options.prefix_ids, *ids, *self.options.suffix_ids]
         return ids
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """The ids of `text` as plain text, special tokens' text included (a chat user's, who can't forge a turn)."""
+        """The ids of `text` as plain text, special tokens' text included (a chat user's, who can't forge a turn);
+        an imported tokenizer's added tokens that are not special are still found."""
+        if self._pipeline is not None:
+            return self._pipeline_ids(text, ordinary=True)
         return list(self._ordinary(text))
+
+    def _pipeline_ids(self, text: str, ordinary: bool) -> list[int]:
+        ids: list[int] = []
+        for piece in self._pipeline.pieces(text, ordinary):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids += self._cache[piece]
+        return ids
 
     def _ordinary(self, text: str) -> Iterator[int]:
         # All C-level while the cache is warm: findall, dict lookups, chain (`isascii` is recorded by CPython).
@@ -214,44 +234,7 @@ class Tokenizer:
     def safe_cut(self, text: str) -> int:
         """The largest position `c` (0 if none) such that for any text `t` that may follow,
         `encode(text + t) == encode(text[:c]) + encode(text[c:] + t)`."""
-        # A special token starting at `settled` or later might still be completed, or lengthened into a longer
-        # special token, by what follows; one starting before it is fully visible and final.
-        settled = len(text) - max(self._longest_special - 1, 0)
-        cut = 0
-        if self._special_re is not None:
-            for match in self._special_re.finditer(text):
-                if match.start() >= settled:
-                    break
-                cut = match.end()
-        # An ordinary cut needs the character after it to be visible and not part of a possible special token.
-        end = min(settled + 1, len(text))
-        match = _CUT_RE.search(text, cut, end) if end > cut else None
-        return match.end() if match else cut
-
-    def _bpe(self, pretoken: str) -> tuple[int, ...]:
-        """Merge the bytes of one pre-token: repeatedly the adjacent pair with the lowest merge rank, leftmost
-        first, until no adjacent pair is a merge."""
-        try:
-            data = pretoken.encode("utf-8")
-        except UnicodeEncodeError:
-            # Lone surrogates have no UTF-8 form; like tiktoken, read them as U+FFFD (pairs become one character).
-            data = pretoken.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
-        ids = [self._byte_ids[b] for b in data]
-        if len(ids) > _LONG_PRETOKEN:
-            return _bpe_long(ids, self._merges)
-        # candidates[k] is the (rank, merged id) of the pair ids[k], ids[k + 1], or _NO_MERGE. Finding the
-        # smallest and its leftmost place is C-level work; after a merge only its two neighbours change.
-        lookup = self._merges.get
-        candidates = list(map(lookup, itertools.pairwise(ids), itertools.repeat(_NO_MERGE)))
-        while candidates and (best := min(candidates)) is not _NO_MERGE:
-            i = candidates.index(best)
-            ids[i : i + 2] = (best[1],)
-            del candidates[i]
-            if i > 0:
-                candidates[i - 1] = lookup((ids[i - 1], ids[i]), _NO_MERGE)
-            if i < len(candidates):
-                candidates[i] = lookup((ids[i], ids[i + 1]), _NO_MERGE)
-        return tuple(ids)
+        return self._safe_cut(text)
 
     # -- decoding ---------------------------------------------------------------------------------------------
 
@@ -270,84 +253,6 @@ class Tokenizer:
     def detokenizer(self) -> Detokenizer:
         """A decoder for ids that arrive one at a time: text as soon as it is whole (see `Detokenizer`)."""
         return Detokenizer(self.vocab)
-
-
-def regroup(pieces: Iterable[str], chunk_chars: int, safe_cut: Callable[[str], int]) -> Iterator[str]:
-    """`Tokenizer.safe_chunks`: the pieces joined and cut again at the safe cuts, about `chunk_chars` apart."""
-    pending: list[str] = []
-    pending_chars = 0
-    wanted = chunk_chars
-    for piece in pieces:
-        if not isinstance(piece, str):
-            raise TypeError(f"expected pieces of text (str), got {type(piece).__name__}")
-        pending.append(piece)
-        pending_chars += len(piece)
-        if pending_chars < wanted:
-            continue
-        text = "".join(pending)
-        cut = safe_cut(text)
-        if cut:
-            yield text[:cut]
-        rest = text[cut:]
-        pending, pending_chars = [rest], len(rest)
-        # Without a cut the text is scanned again only once it has doubled, so a long stretch without a
-        # safe cut costs linear, not quadratic, time.
-        wanted = max(chunk_chars + len(rest), 2 * len(rest))
-    tail = "".join(pending)
-    if tail:
-        yield tail
-
-
-def index_vocabulary(
-    vocab: dict[int, bytes], special_tokens: list[str]
-) -> tuple[dict[bytes, int], dict[str, int]]:
-    """Token -> id, and special token -> id, adding to `vocab` (in place) each special token it lacks, with
-    the next free id; a token that two ids share, or an empty special token, is refused."""
-    token_ids: dict[bytes, int] = {}
-    for token_id, token in sorted(vocab.items()):
-        if token in token_ids:
-            raise ScratchlmError(
-                f"vocabulary ids {token_ids[token]} and {token_id} are both the token {token!r}"
-            )
-        token_ids[token] = token_id
-    special_ids: dict[str, int] = {}
-    for special in special_tokens:
-        if not special:
-            raise ScratchlmError("a special token cannot be the empty string")
-        token = special.encode("utf-8")
-        if token not in token_ids:
-            new_id = max(vocab, default=-1) + 1
-            vocab[new_id] = token
-            token_ids[token] = new_id
-        special_ids[special] = token_ids[token]
-    return token_ids, special_ids
-
-
-def merge_table(
-    merges: list[tuple[bytes, bytes]], token_ids: dict[bytes, int]
-) -> dict[tuple[int, int], tuple[int, int]]:
-    """(left id, right id) -> (rank, merged id). The lowest rank is the earliest merge; a pair listed twice
-    keeps its first rank. Each merge may only join tokens that exist by then (bytes or earlier merges), as
-    training makes them: this is what makes "apply the merges in creation order" and "repeatedly merge the
-    lowest-ranked pair" the same thing."""
-    table: dict[tuple[int, int], tuple[int, int]] = {}
-    made = {bytes([b]) for b in range(256)}
-    for rank, (left, right) in enumerate(merges):
-        for part in (left, right):
-            if part not in made:
-                raise ScratchlmError(
-                    f"merge {rank} ({left!r}, {right!r}): {part!r} is neither a byte nor made by an earlier merge"
-                )
-        made.add(left + right)
-        ids = []
-        for part in (left, right, left + right):
-            if part not in token_ids:
-                raise ScratchlmError(
-                    f"merge {rank} ({left!r}, {right!r}): the token {part!r} is not in the vocabulary"
-                )
-            ids.append(token_ids[part])
-        table.setdefault((ids[0], ids[1]), (rank, ids[2]))
-    return table
 
 
 class Detokenizer:
@@ -376,51 +281,3 @@ class Detokenizer:
 
 
 _REPLACEMENT = "\ufffd".encode()
-
-_NO_MERGE = (float("inf"), -1)
-
-# Pre-tokens longer than this (in bytes) are merged with a heap: the simple loop above rescans every pair after
-# each merge, which is fastest for words but quadratic for, say, a megabyte-long run of letters.
-_LONG_PRETOKEN = 128
-
-
-def _bpe_long(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]]) -> tuple[int, ...]:
-    """The same merges as `Tokenizer._bpe`, in O(n log n): a heap of candidate pairs `(rank, position)` over a
-    linked list of positions. An entry whose pair has changed since it was pushed is skipped when popped."""
-    n = len(ids)
-    following = list(range(1, n + 1))  # next live position (n = none)
-    preceding = list(range(-1, n - 1))  # previous live position (-1 = none)
-    heap = [(*merges[pair], i) for i, pair in enumerate(itertools.pairwise(ids)) if pair in merges]
-    heapq.heapify(heap)
-    while heap:
-        rank, merged_id, i = heapq.heappop(heap)
-        j = following[i]
-        if j >= n or merges.get((ids[i], ids[j]), _NO_MERGE)[0] != rank:
-            continue  # stale: one side of this pair has been merged away since
-        ids[i] = merged_id
-        ids[j] = -1
-        following[i] = following[j]
-        if following[j] < n:
-            preceding[following[j]] = i
-        for left, right in ((preceding[i], i), (i, following[i])):
-            if left >= 0 and right < n and (pair := (ids[left], ids[right])) in merges:
-                heapq.heappush(heap, (*merges[pair], left))
-    return tuple(token for token in ids if token >= 0)
-
-
-class _BoundedCache(dict):
-    """key -> compute(key), computed on first use. When full, the older half is dropped (dicts keep insertion
-    order), so memory stays bounded while frequent keys come straight back."""
-
-    def __init__(self, compute: Callable[[str], tuple[int, ...]], max_size: int) -> None:
-        super().__init__()
-        self._compute = compute
-        self._max_size = max_size
-
-    def __missing__(self, key: str) -> tuple[int, ...]:
-        value = self._compute(key)
-        if len(self) >= self._max_size:
-            for old in list(itertools.islice(self, len(self) // 2)):
-                del self[old]
-        self[key] = value
-        return value
