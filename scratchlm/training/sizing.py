@@ -123,7 +123,7 @@ def measure_step(config: TrainConfig, choices: Plan) -> StepTiming:
         finally:
             console.quiet = quiet
         clock = [r["time"] for r in read_metrics(scratch) if "train_loss" in r]
-    steps = [b - a for a, b in zip(clock, clock[1:])]
+    steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
     timing = StepTiming(startup_s=clock[0], step_s=statistics.median(steps))
     timings.record_timing(KIND, key, asdict(timing))
     return timing
