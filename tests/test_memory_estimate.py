@@ -1,6 +1,7 @@
 """The training-memory estimate per process (`scratchlm.model.memory`, `scratchlm doctor --world N`): against
 values computed by hand for a small model, against the bytes of a real model's, gradients' and optimizer's
-tensors after a step, and the doctor's verdict against mocked CPU and GPU memories."""
+tensors after a step (a LoRA-adapted one too), and the doctor's verdict against mocked CPU and GPU memories
+and its LoRA comparison against the bytes of the base it fine-tunes."""
 
 import dataclasses
 import json
@@ -9,14 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve_helpers import chat_run
 
 from scratchlm import ModelConfig, TransformerLM
 from scratchlm.cli import doctor, main
 from scratchlm.device.host import available_ram_bytes
 from scratchlm.device.profile import DeviceProfile
 from scratchlm.model import memory
+from scratchlm.model.config import LoRAConfig
+from scratchlm.model.lora import Adapters, apply_lora
 from scratchlm.model.loss import cross_entropy
-from scratchlm.model.memory import HEADROOM, MemoryBudget, rank_memory, suggest
+from scratchlm.model.memory import HEADROOM, MemoryBudget, lora_memory, rank_memory, suggest
+from scratchlm.run.load import load_trained
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.optimizers import OptimizerConfig, build_optimizer
 from tests.test_trainer import small_config
@@ -105,6 +110,22 @@ MEASURED = {
 }
 
 
+def real_step(model, config, optimizer_config, precision):
+    """One training step of `model` with the project's optimizer (under bf16 autocast for bf16); returns the
+    optimizer."""
+    optimizer = build_optimizer(optimizer_config, model, precision)
+    tokens = torch.randint(0, config.vocab_size, (2, config.context_length + 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    optimizer.step()
+    return optimizer
+
+
+def state_bytes(optimizer) -> int:
+    return tensor_bytes(value for state in optimizer.state.values() for value in state.values())
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", MEASURED)
 def test_state_bytes_equal_the_tensors_of_a_real_step(case, precision):
@@ -113,19 +134,52 @@ def test_state_bytes_equal_the_tensors_of_a_real_step(case, precision):
     config, optimizer_config = MEASURED[case]
     torch.manual_seed(0)
     model = TransformerLM.from_config(config)
-    optimizer = build_optimizer(optimizer_config, model, precision)
-    tokens = torch.randint(0, config.vocab_size, (2, config.context_length + 1))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-    loss.backward()
-    optimizer.step()
+    optimizer = real_step(model, config, optimizer_config, precision)
     params = list(model.parameters())
-    states = [value for state in optimizer.state.values() for value in state.values()]
-    assert tensor_bytes(states) > 0 or optimizer_config.name == "sgd"
+    assert state_bytes(optimizer) > 0 or optimizer_config.name == "sgd"
     est = rank_memory(config, optimizer_config.name, precision, 2, 1, 1, "ddp", False)
     assert tensor_bytes(params) == est.parameters
     assert tensor_bytes(p.grad for p in params) == est.gradients
-    assert tensor_bytes(states) == est.optimizer_state
+    assert state_bytes(optimizer) == est.optimizer_state
+
+
+@pytest.mark.parametrize("targets", [LoRAConfig().targets, ("q_proj", "v_proj", "w2")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["adamw", "sgd", "muon"])
+def test_lora_state_bytes_equal_the_tensors_of_a_real_adapted_step(case, precision, targets):
+    """A model adapted as a LoRA run adapts it (its blocks' matrices in the compute dtype) and one step: the
+    bytes of every parameter, frozen and trained, of the trained ones' gradients and of the optimizer's state
+    are exactly the estimate's; the frozen ones have no gradient."""
+    config, optimizer_config = MEASURED[case]
+    # the fast recipe's ReLU² feed-forward has no gate w3 to adapt
+    lora = LoRAConfig(rank=4, targets=tuple(t for t in targets if t != "w3" or config.ffn == "swiglu"))
+    torch.manual_seed(0)
+    model = TransformerLM.from_config(config)
+    apply_lora(model, Adapters(lora), base_dtype=torch.bfloat16 if precision == "bf16" else None)
+    optimizer = real_step(model, config, optimizer_config, precision)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert trained and all(p.grad is None for p in frozen)
+    est = lora_memory(config, lora, optimizer_config.name, precision, 2, 1, 1, False)
+    assert tensor_bytes(trained) + tensor_bytes(frozen) == est.parameters
+    assert tensor_bytes(p.grad for p in trained) == est.gradients == 4 * sum(p.numel() for p in trained)
+    assert state_bytes(optimizer) == est.optimizer_state
+
+
+def test_lora_by_hand():
+    """SMALL (d_model 32, d_ff 96, four heads of keys and values), rank 4 on all seven matrices: a block's
+    adapters are 4 × (q 64 + k 64 + v 64 + output 64 + w1 128 + w2 128 + w3 128) = 2,560 values."""
+    adapters = 2 * 2_560
+    lora = lora_memory(SMALL, LoRAConfig(rank=4), "adamw", "bf16", 8, 2, 1, False)
+    full = estimate(precision="bf16")
+    assert lora.parameters == 2 * MATRICES + 4 * (TOTAL - MATRICES) + 4 * adapters
+    assert (lora.gradients, lora.optimizer_state, lora.buffers) == (4 * adapters, 8 * adapters, 0)
+    # x Aᵀ: 7 matrices × 2 blocks × 4 sequences of 16 tokens × rank 4, in bf16; one block under checkpointing
+    assert lora.activations == full.activations + 7 * 2 * 64 * 4 * 2
+    ckpt = lora_memory(SMALL, LoRAConfig(rank=4), "adamw", "bf16", 8, 2, 1, True)
+    assert ckpt.activations == estimate(precision="bf16", checkpointing=True).activations + 7 * 64 * 4 * 2
+    with pytest.raises(Exception, match="lora.targets: the blocks have no matrix 'qkv'"):
+        lora_memory(SMALL, LoRAConfig(rank=4, targets=("qkv",)), "adamw", "bf16", 8, 2, 1, False)
 
 
 def test_fsdp_shards_the_state_and_ddp_does_not():
@@ -237,3 +291,31 @@ def test_doctor_world_refuses_bad_input_in_one_line(tmp_path, cpu_profile, capsy
 def test_the_module_names_the_layouts_it_compares():
     assert list(memory.layouts(1)) == [("ddp", False), ("ddp", True)]
     assert list(memory.layouts(2)) == list(memory.PREFERENCE)
+
+
+def test_doctor_compares_a_lora_sft_config_with_full_fine_tuning_of_its_base(tmp_path, cpu_profile, capsys):
+    """A LoRA sft config has no [model]: the doctor's estimates are of its base's model, whose real parameter
+    bytes are full fine-tuning's parameters term and, adapted, LoRA's."""
+    base = chat_run(tmp_path / "base", context=32, seed=0)
+    path = tmp_path / "sft.toml"
+    path.write_text(
+        f'[sft]\nbase = "{base}"\ntrain = "chats.jsonl"\n[lora]\nrank = 4\n[training]\nmax_steps = 10\n'
+    )
+    args = ["doctor", "--no-compile-check", "--config", str(path)]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["lora"]
+    assert report["precision"] == "fp32" and report["layout"] == "1 process"
+    model = load_trained(str(base), "cpu").model
+    assert report["full"]["parameters"] == tensor_bytes(model.parameters())
+    apply_lora(model, Adapters(LoRAConfig(rank=4)))
+    assert report["lora"]["parameters"] == tensor_bytes(model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert report["lora"]["gradients"] == 4 * trained and report["lora"]["optimizer_state"] == 8 * trained
+    full, lora = report["full"]["total"], report["lora"]["total"]
+    assert lora < full and report["ratio"] == lora / full
+
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "LoRA against full fine-tuning: training memory at 1 process, fp32" in out
+    assert "full fine-tuning" in out and "LoRA rank 4 " in out and f"{lora / full:.2f}×" in out
+    assert f"{lora:,} bytes against full fine-tuning's {full:,} ({lora / full:.2f}×)" in out

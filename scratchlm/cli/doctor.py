@@ -15,6 +15,12 @@ parameters, gradients, optimizer state, communication buffers and activations un
 without activation checkpointing; which of them fit this device's memory (a GPU's own, one per process; a
 CPU's available RAM, shared by the N processes of this machine); and the layout and number of processes it
 suggests.
+
+A config with LoRA (`lora.rank` > 0, a fine-tuning stage's) adds that run's training memory per process against
+full fine-tuning's of the same model (`scratchlm.model.memory.lora_memory`), at `--world N` processes (one
+without it) under DDP, with the config's activation checkpointing: each term in bytes, and the ratio of the
+totals. A stage's memory is its base's model's, so for these estimates the config is made as the stage's
+command makes it (`STAGE_CONFIGS`: its defaults and its base's model), which needs the base.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ def run(args: argparse.Namespace) -> None:
         register_stages(args.config)
     # A mistake in the config is reported before torch loads.
     config = TrainConfig.load(args.config, args.overrides) if args.config else None
+    if config is not None and (args.world is not None or config.lora.rank):
+        config = stage_config(args.config, args.overrides, config)
     t = config.training if config is not None else training_section(args.overrides)
 
     from rich.console import Console
@@ -108,6 +116,8 @@ def run(args: argparse.Namespace) -> None:
     }
     if args.world is not None:
         report["memory"] = memory_report(config, args.world, choices.precision.value, memory_budget(profile))
+    if config is not None and config.lora.rank:
+        report["lora"] = lora_report(config, args.world or 1, choices.precision.value)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -155,16 +165,19 @@ def run(args: argparse.Namespace) -> None:
     )
     out = Console(highlight=False, soft_wrap=True, markup=False)
     out.print(table)  # the report, on stdout
+    # 120 columns in a pipe or a file, rather than rich's 80, which would wrap the memory tables' cells
+    wide = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 120)
     if args.world is not None:
-        # 120 columns in a pipe or a file, rather than rich's 80, which would wrap the memory table's cells
-        wide = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 120)
         print_memory(wide, report["memory"])
+    if "lora" in report:
+        print_lora(wide, report["lora"])
     for warning in choices.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)
 
 
-# The stages whose config sections their own modules register (`scratchlm.training.stage`), by section.
-STAGE_MODULES = {"sft": "scratchlm.chat.sft", "rl": "scratchlm.chat.rl.stage"}
+# The stages whose config sections their own modules register (`scratchlm.training.stage`), by section, with
+# the function there that makes the stage's config as its command does (its defaults, its base's model).
+STAGE_CONFIGS = {"sft": ("scratchlm.chat.sft", "sft_config"), "rl": ("scratchlm.chat.rl.stage", "rl_config")}
 
 
 def register_stages(path: str) -> None:
@@ -179,9 +192,21 @@ def register_stages(path: str) -> None:
         sections = read_toml(Path(path))
     except (ScratchlmError, OSError):
         return  # `TrainConfig.load` reports it
-    for section, module in STAGE_MODULES.items():
+    for section, (module, _) in STAGE_CONFIGS.items():
         if section in sections:
             importlib.import_module(module)
+
+
+def stage_config(path: str, overrides: list[str], config: TrainConfig) -> TrainConfig:
+    """`config` as its stage's command makes it from `path` and `overrides`: the same for pretraining; for a
+    stage on a base, with the stage's defaults and the base's model (which the memory estimates need, and
+    which loading the file alone does not give)."""
+    import importlib
+
+    if config.stage_name not in STAGE_CONFIGS:
+        return config
+    module, function = STAGE_CONFIGS[config.stage_name]
+    return getattr(importlib.import_module(module), function)(path, overrides)
 
 
 def memory_budget(profile: DeviceProfile) -> MemoryBudget | None:
@@ -226,6 +251,54 @@ def memory_report(
         )  # fmt: skip
         report["largest_world"] = suggestion.largest_world
     return report
+
+
+def lora_report(config: TrainConfig, world: int, precision: str) -> dict[str, Any]:
+    """The LoRA run's estimate and full fine-tuning's, both at `world` processes under DDP (LoRA runs refuse
+    FSDP) with the config's activation checkpointing, and the ratio of their totals, as plain values."""
+    from scratchlm.model.memory import lora_memory, rank_memory
+
+    t = config.training
+    shape = (config.optimizer.name, precision, t.batch_size, t.grad_accum, world)
+    full = rank_memory(config.model, *shape, "ddp", t.activation_checkpointing)
+    lora = lora_memory(config.model, config.lora, *shape, t.activation_checkpointing)
+    return {
+        "layout": full.layout,
+        "precision": precision,
+        "rank": config.lora.rank,
+        "targets": list(config.lora.targets),
+        "full": {**asdict(full), "total": full.total},
+        "lora": {**asdict(lora), "total": lora.total},
+        "ratio": lora.total / full.total,
+    }
+
+
+def print_lora(out: Console, lora: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from scratchlm.cli.accounting import si
+
+    table = Table(
+        title=f"LoRA against full fine-tuning: training memory at {lora['layout']}, {lora['precision']}"
+    )
+    table.add_column("run")
+    for column in ("parameters", "gradients", "optimizer", "activations", "total", "× full"):
+        table.add_column(column, justify="right")
+    full_total = lora["full"]["total"]
+    names = {"full": "full fine-tuning", "lora": f"LoRA rank {lora['rank']}"}
+    for key, name in names.items():
+        row = lora[key]
+        sizes = (row[k] for k in ("parameters", "gradients", "optimizer_state", "activations", "total"))
+        table.add_row(name, *(si(size, "B") for size in sizes), f"{row['total'] / full_total:.2f}×")
+    out.print(table)
+    out.print(
+        f"LoRA rank {lora['rank']} on {', '.join(lora['targets'])}: {lora['lora']['total']:,} bytes against full "
+        f"fine-tuning's {full_total:,} ({lora['ratio']:.2f}×)"
+    )
+    out.print(
+        "LoRA's frozen base: weights only; its adapters: float32, with gradients and AdamW's moments; not "
+        "counted: embedding tables a stage grows for chat tokens, which train too"
+    )
 
 
 def print_memory(out: Console, memory: dict[str, Any]) -> None:

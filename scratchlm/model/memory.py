@@ -25,17 +25,27 @@ sequence), with the project's training as it runs:
   pass: the micro-batch holds every block's input, one block's activations at a time, and the head's.
 
 A world of one is one process: nothing sharded, whatever the parallelism. Sizes are bytes.
+
+**LoRA** (`lora_memory`, `scratchlm.model.lora`) trains two thin float32 matrices beside each adapted matrix
+`W (d_out × d_in)` of the blocks, `A (r × d_in)` and `B (d_out × r)`, and freezes the rest. The frozen
+parameters are weights only (no gradients, no optimizer state): the blocks' matrices in the plan's compute
+dtype (`apply_lora`'s `base_dtype`: 2 bytes under bf16 or fp16), the embeddings, head and gains in float32.
+The adapters have float32 gradients and AdamW's two moments (under Muon too: they are not orthogonalised; none
+under SGD). Their activations are the handout's list plus `x Aᵀ`, the r values a token each adapter keeps for
+B's gradient (its input `x` is already on the list, as the input of the matrix it adapts). LoRA runs use DDP,
+whose buckets are the gradients, so there are no buffers. Left out: the embedding tables a fine-tuning stage
+grows for chat tokens its base lacked, which then train too.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.accounting import BYTES_FP32, activation_elements, parameter_counts
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import LoRAConfig, ModelConfig
 
 PARALLELS = ("ddp", "fsdp")
 #: The order `suggest` prefers among the layouts that fit: without recomputation first (checkpointing costs
@@ -167,6 +177,51 @@ def rank_memory(
         optimizer_state=moments * BYTES_FP32,
         buffers=buffers,
         activations=activation_bytes(config, sequences, precision, checkpointing),
+    )
+
+
+def block_matrices(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The weight matrices of a block by their names in the model (LoRA's targets), as `(d_out, d_in)`."""
+    d, d_ff, d_kv = config.d_model, config.d_ff, config.kv_heads * config.head_dim
+    attention = {"q_proj": (d, d), "k_proj": (d_kv, d), "v_proj": (d_kv, d), "output_proj": (d, d)}
+    gate = {"w3": (d_ff, d)} if config.ffn == "swiglu" else {}
+    return attention | {"w1": (d_ff, d), "w2": (d, d_ff)} | gate
+
+
+def lora_memory(
+    config: ModelConfig,
+    lora: LoRAConfig,
+    optimizer: str,
+    precision: str,
+    batch_size: int,
+    grad_accum: int,
+    world: int,
+    checkpointing: bool,
+) -> RankMemory:
+    """The estimate for one process of `world` training LoRA adapters (`lora`) on a frozen `config`, the
+    other arguments as `rank_memory`'s (see the module docstring)."""
+    matrices = block_matrices(config)
+    unknown = [t for t in lora.targets if t not in matrices]
+    if unknown:
+        raise ScratchlmError(
+            f"lora.targets: the blocks have no matrix {unknown[0]!r}; theirs are {', '.join(matrices)}"
+        )
+    adapted = [shape for name, shape in matrices.items() if name in lora.targets]
+    full = rank_memory(config, optimizer, precision, batch_size, grad_accum, world, "ddp", checkpointing)
+    split = parameter_split(config)
+    adapters = config.num_layers * lora.rank * sum(d_out + d_in for d_out, d_in in adapted)
+    frozen = split.matrices * COMPUTE_BYTES[precision] + (split.total - split.matrices) * BYTES_FP32
+    moments = 0 if optimizer == "sgd" else OPTIMIZER_TENSORS["adamw"]
+    # x Aᵀ of every adapted matrix; under checkpointing, of the one block recomputed at a time
+    tokens = micro_batch(batch_size, world, grad_accum) * config.context_length
+    blocks = 1 if checkpointing else config.num_layers
+    low_rank = blocks * len(adapted) * tokens * lora.rank * COMPUTE_BYTES[precision]
+    return replace(
+        full,
+        parameters=frozen + adapters * BYTES_FP32,
+        gradients=adapters * BYTES_FP32,
+        optimizer_state=moments * adapters * BYTES_FP32,
+        activations=full.activations + low_rank,
     )
 
 
