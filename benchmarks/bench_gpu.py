@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_fused_loss import run_variant
-from gpu_profile import print_profile, profile_step
 from bench_train_step import ReferenceLM, matmul_peak, reference_loss, sync
+from gpu_profile import print_profile, profile_step
 
 from scratchlm import AdamW, ModelConfig, TransformerLM
 from scratchlm.device import plan
@@ -354,7 +354,9 @@ def main() -> None:
     )
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
-        "--profile", action="store_true", help="a torch.profiler summary of each training row (gpu_profile.py)"
+        "--profile",
+        action="store_true",
+        help="a torch.profiler summary of each training row (gpu_profile.py)",
     )
     parser.add_argument("--aot", action="store_true", help="the ahead-of-time table of the attention kernels")
     parser.add_argument("--arch", type=int, nargs="+", help="--aot: compute capabilities (default: 70 … 90)")
@@ -458,7 +460,9 @@ def decode_model_section(shapes: dict, device: torch.device, name: str, args, re
     )
     print(f"{'weights':>8}{'batch':>6}{'decode':>10}{'tokens/s':>12}{'first step s':>14}")
     for r in results["decode_model"]:
-        print(f"{r['weights']:>8}{r['batch']:>6}{r['decode']:>10}{r['tokens_per_s']:>12,.0f}{r['first_step_s']:>14.2f}")
+        print(
+            f"{r['weights']:>8}{r['batch']:>6}{r['decode']:>10}{r['tokens_per_s']:>12,.0f}{r['first_step_s']:>14.2f}"
+        )
 
 
 SECTIONS = {

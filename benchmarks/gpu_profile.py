@@ -20,7 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 # A kernel's kind from its name (cuBLAS and CUTLASS name their products gemm/xmma/nvjet; Inductor's kernels
 # start with triton_; PyTorch's foreach optimizers launch multi_tensor_apply kernels).
 KINDS = [
-    ("attention", re.compile(r"flash|fmha|attention|_forward_kernel|_backward_kv|_backward_q|_decode_kernel", re.I)),
+    (
+        "attention",
+        re.compile(r"flash|fmha|attention|_forward_kernel|_backward_kv|_backward_q|_decode_kernel", re.I),
+    ),
     ("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|sm90_|sm80_|splitk", re.I)),
     ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
     ("memory", re.compile(r"memcpy|memset", re.I)),
@@ -67,7 +70,12 @@ def profile_step(fn: Callable[[], object], calls: int = 3, top: int = 12) -> dic
         "launches": sum(e.count for e in kernels) / calls,
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "kernels": [
-            {"name": e.key[:90], "kind": kind_of(e.key), "ms": _device_time(e) / calls / 1e3, "count": e.count / calls}
+            {
+                "name": e.key[:90],
+                "kind": kind_of(e.key),
+                "ms": _device_time(e) / calls / 1e3,
+                "count": e.count / calls,
+            }
             for e in longest
         ],
     }

@@ -50,7 +50,8 @@ def test_a_registered_format_is_offered_and_called_by_the_command(tmp_path, caps
     help_text = " ".join(out.split())  # argparse wraps lines
     assert "--format {hf,gguf,peft,checkpoint,toy}" in help_text
     assert (
-        "gguf: a file; peft: a directory; checkpoint: a file; toy: a file" in help_text and "or .toy file to write" in help_text
+        "gguf: a file; peft: a directory; checkpoint: a file; toy: a file" in help_text
+        and "or .toy file to write" in help_text
     )
     status, _, err = run_cli([*argv, "--dtype", "f16"], capsys)
     assert status == 0, err

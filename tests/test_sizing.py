@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from scratchlm.data.prepare import PreparedData
-from scratchlm.device import planning, plan
+from scratchlm.device import plan, planning
 from scratchlm.device.profile import DeviceProfile
 from scratchlm.quickstart import FAST_SHAPES, FULL, SMALL, choose_fast_shape, train_config
-from scratchlm.run import RunDirectory, read_metrics
+from scratchlm.run import RunDirectory
 from scratchlm.training import sizing
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.sizing import Shape, StepTiming, choose_shape, measure_step, predicted_steps

@@ -110,7 +110,9 @@ def train_within_budget(
     summary = train(config, resume=run.latest_checkpoint() is not None)
     decided = [r["time_budget"] for r in read_metrics(run_dir) if "time_budget" in r]
     with atomic_write(schedule_file, "w") as f:
-        json.dump({"max_steps": decided[-1]["total_steps"] if decided else config.total_steps or summary.steps}, f)
+        json.dump(
+            {"max_steps": decided[-1]["total_steps"] if decided else config.total_steps or summary.steps}, f
+        )
     if shape is not None and decided:
         record_taken(schedule_file.with_name("shape.json"), summary.steps, decided[0])
     return summary
