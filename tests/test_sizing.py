@@ -154,3 +154,23 @@ def test_the_quickstart_sizes_the_fast_recipe_to_the_device(
     run.config.write_text(train_config(FULL, DATA, run.path, 240.0, "cpu", 0, "fast", slow).to_toml())
     assert choose_fast_shape(FULL, DATA, run, 240.0, "cpu", record) is slow and len(timed) == 4
     assert "as the run in" in json.loads(record.read_text())["reason"]
+
+
+def test_a_compiled_run_is_timed_after_a_step_that_compiled_it(tmp_path, monkeypatch) -> None:
+    """The probe of a compiled run trains one step first, untimed, so that the timed steps start as a run
+    does after it: with the compiler's caches filled. An eager run needs no such step."""
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path / "cache"))
+    trained = []
+
+    def briefly(config, steps, run_dir):
+        trained.append((steps, run_dir.name))
+        return [3.0 + 0.5 * i for i in range(steps)]
+
+    monkeypatch.setattr(sizing, "_train_briefly", briefly)
+    config = config_of(FAST_SHAPES[0])
+    timing = measure_step(config, plan(torch.device("cpu"), "fp32", compile=True))
+    assert trained == [(1, "compile"), (sizing.PROBE_STEPS, "timed")]
+    assert timing == StepTiming(startup_s=3.0, step_s=0.5)
+    trained.clear()
+    measure_step(config, plan(torch.device("cpu"), "fp32", compile=False))
+    assert trained == [(sizing.PROBE_STEPS, "timed")]
