@@ -174,3 +174,14 @@ def test_a_compiled_run_is_timed_after_a_step_that_compiled_it(tmp_path, monkeyp
     trained.clear()
     measure_step(config, plan(torch.device("cpu"), "fp32", compile=False))
     assert trained == [(sizing.PROBE_STEPS, "timed")]
+
+
+def test_a_budgeted_run_replaces_the_probe_with_what_it_measured(tmp_path, monkeypatch) -> None:
+    """At its decision (step 20, 0.5 s a step, 22.5 s spent) a run started up in 22.5 - 19 × 0.5 = 13 s: the
+    next prediction for its shape reads that, without timing anything."""
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sizing, "_train_briefly", lambda *a: pytest.fail("timed again"))
+    config, choices = config_of(FAST_SHAPES[0]), plan(torch.device("cpu"), "fp32", compile=True)
+    sizing.record_run(config, choices, 20, 0.5, 22.5)
+    assert measure_step(config, choices) == StepTiming(startup_s=13.0, step_s=0.5)
+    assert predicted_steps(config, 120.0, StepTiming(13.0, 0.5)) == 20 + int(0.92 * 97.5 / (0.5 * 31 / 30))

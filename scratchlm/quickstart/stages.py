@@ -28,7 +28,8 @@ from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, re
 from scratchlm.run.load import TrainedModel
 from scratchlm.tokenizer import END_OF_TEXT
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.sizing import Shape, ShapeChoice, choose_shape
+from scratchlm.training.budget import BudgetDecision
+from scratchlm.training.sizing import Shape, ShapeChoice, choose_shape, record_run
 from scratchlm.training.start import config_changes
 from scratchlm.training.trainer import train
 
@@ -115,6 +116,9 @@ def train_within_budget(
         )
     if shape is not None and decided:
         record_taken(schedule_file.with_name("shape.json"), summary.steps, decided[0])
+        first = BudgetDecision.from_dict(decided[0])
+        choices = plan(torch.device(device), "auto", compile=size.compile)
+        record_run(config, choices, first.step, first.step_s, first.elapsed_s)
     return summary
 
 

@@ -23,7 +23,9 @@ framework's own time together, on whatever the machine is.
 Each `min_steps` is in steps, what learning is counted in, so it holds on any machine: it was measured by
 racing the shapes against each other at several budgets (docs/experiments.md, "The shape for the budget").
 The predicted steps are a count, not a promise: the run still measures its own speed and fits its schedule to
-it (`scratchlm.training.budget`), and the steps predicted and taken are both recorded (shape.json).
+it (`scratchlm.training.budget`), and the steps predicted and taken are both recorded (shape.json). What the run
+measured when it decided its length then replaces the probe's timing of its shape (`record_run`), so that
+the next prediction starts from a real run's start-up and step.
 """
 
 from __future__ import annotations
@@ -139,6 +141,15 @@ def _train_briefly(config: TrainConfig, steps: int, run_dir: Path) -> list[float
     finally:
         console.quiet = quiet
     return [r["time"] for r in read_metrics(run_dir) if "train_loss" in r]
+
+
+def record_run(config: TrainConfig, choices: Plan, step: int, step_s: float, elapsed_s: float) -> None:
+    """What a budgeted run of `config` measured when it decided its length (`step_s` a step, `elapsed_s` spent
+    at `step`), kept as its shape's timing for the next prediction: a run is the truest probe of itself (its
+    start-up in a fresh process, the compiler's caches as a run finds them, the machine as it is now)."""
+    startup_s = max(0.0, elapsed_s - (step - 1) * step_s)
+    record = StepTiming(startup_s=round(startup_s, 3), step_s=step_s)
+    timings.record_timing(KIND, timing_key(config, choices), asdict(record))
 
 
 def predicted_steps(config: TrainConfig, budget_s: float, timing: StepTiming) -> int:
