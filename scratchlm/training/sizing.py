@@ -9,7 +9,8 @@ compiles) and on the budget, not on the text, so the shape is chosen from those,
     timing   each shape's training step, timed where the run will train (`measure_step`): a few steps of
              the run itself (its config, data, precision, threads and compilation) in a scratch directory,
              the first one (compiling, the allocator filling its pools) apart; kept per machine beside the
-             device profile (train-timings.json), so that a machine is measured once
+             device profile (train-timings.json), so that a machine is measured once. A compiled run times
+             the smallest shape compiled and scales the others by their eager steps (`ladder_timings`)
     steps    the length the time budget will decide for that shape (`predicted_steps`, the trainer's own
              rule, `scratchlm.training.budget.fit_steps`): its first steps and start-up, then the steps that
              fit in the rest, each with its share of the periodic evaluations
@@ -41,7 +42,7 @@ import torch
 
 from scratchlm.console import console
 from scratchlm.device import timings
-from scratchlm.device.planning import Plan
+from scratchlm.device.planning import Plan, plan
 from scratchlm.run.metrics import read_metrics
 from scratchlm.training.budget import CALIBRATION_STEPS, evaluation_share, fit_steps
 from scratchlm.training.config import TrainConfig
@@ -102,36 +103,71 @@ def timing_key(config: TrainConfig, choices: Plan) -> str:
     )
 
 
+def recorded_step(config: TrainConfig, choices: Plan) -> StepTiming | None:
+    """The timing kept on this machine for `config`'s step as `choices` runs it, if any."""
+    known = timings.read_timings(KIND).get(timing_key(config, choices))
+    try:
+        return StepTiming(**known) if known is not None else None
+    except TypeError:  # written by another version
+        return None
+
+
 def measure_step(config: TrainConfig, choices: Plan) -> StepTiming:
-    """`config`'s training step on this machine (`choices`: the plan its run makes): recorded, or timed now
-    over `PROBE_STEPS` steps of the run itself in a scratch directory (no evaluation, no checkpoint kept).
+    """`config`'s training step on this machine as `choices` (the plan its run makes) runs it, compiled or
+    not: recorded, or timed now over `PROBE_STEPS` steps of the run itself in a scratch directory (no
+    evaluation, no checkpoint kept).
 
     A compiled run is timed after a first, untimed step has compiled it: the run that follows finds the
     compiler's on-disk caches filled, and starts in a fraction of the first compilation (on a 2-core Zen 3,
-    the quickstart's 16-sequence shape: 70 s cold, about 15 s warm)."""
-    key = timing_key(config, choices)
-    known = timings.read_timings(KIND).get(key)
+    the quickstart's 16-sequence shape: 70 s cold, 10 to 25 s warm in a new process)."""
+    known = recorded_step(config, choices)
     if known is not None:
-        try:
-            return StepTiming(**known)
-        except TypeError:  # written by another version
-            pass
+        return known
+    compiled = bool(choices.compile.value)
     with tempfile.TemporaryDirectory(prefix="scratchlm-probe-") as scratch:
-        if choices.compile.value:
-            _train_briefly(config, 1, Path(scratch, "compile"))
-        clock = _train_briefly(config, PROBE_STEPS, Path(scratch, "timed"))
+        if compiled:
+            _train_briefly(config, compiled, 1, Path(scratch, "compile"))
+        clock = _train_briefly(config, compiled, PROBE_STEPS, Path(scratch, "timed"))
     steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
-    timing = StepTiming(startup_s=clock[0], step_s=statistics.median(steps))
-    timings.record_timing(KIND, key, asdict(timing))
+    timing = StepTiming(startup_s=round(clock[0], 3), step_s=round(statistics.median(steps), 4))
+    timings.record_timing(KIND, timing_key(config, choices), asdict(timing))
     return timing
 
 
-def _train_briefly(config: TrainConfig, steps: int, run_dir: Path) -> list[float]:
-    """Train `steps` steps of `config` in `run_dir`, quietly; the training clock at the end of each step."""
+def ladder_timings(ladder: Sequence[tuple[Shape, TrainConfig]], choices: Plan) -> dict[str, StepTiming]:
+    """Each shape's step as `choices` will run it. Eager runs: each timed (`measure_step`). Compiled runs:
+    compiling a shape takes a minute on a small CPU, so only the smallest is timed compiled; a shape with no
+    record of its own (a probe, or a run that trained it: `record_run`) takes the smallest's start-up and its
+    step scaled by the two shapes' eager steps (seconds to time: the shapes differ in batch and depth, which
+    the compiler speeds up alike)."""
+    if not choices.compile.value:
+        return {shape.name: measure_step(config, choices) for shape, config in ladder}
+    smallest = ladder[0][1]
+    base = measure_step(smallest, choices)
+    eager = plan(
+        torch.device(choices.device),
+        choices.precision.value,
+        compile=False,
+        threads=choices.threads.value or 0,
+    )
+    base_eager = measure_step(smallest, eager).step_s
+    timed = {}
+    for shape, config in ladder:
+        known = base if config is smallest else recorded_step(config, choices)
+        if known is None:
+            ratio = measure_step(config, eager).step_s / base_eager
+            known = StepTiming(startup_s=base.startup_s, step_s=round(base.step_s * ratio, 4))
+        timed[shape.name] = known
+    return timed
+
+
+def _train_briefly(config: TrainConfig, compiled: bool, steps: int, run_dir: Path) -> list[float]:
+    """Train `steps` steps of `config` (compiled or not) in `run_dir`, quietly; the training clock at the end
+    of each step."""
     from scratchlm.training.trainer import train  # the loop itself: the probe is the run, shortened
 
     values = config.to_dict()
-    values["training"] |= {"max_steps": steps, "max_tokens": 0, "max_time_s": 0.0}
+    values["training"] |= {"max_steps": steps, "max_tokens": 0, "max_time_s": 0.0, "compile": compiled}
     values["eval"] |= {"interval": 0}
     values["checkpoint"] |= {"interval": 0}
     values["logging"] |= {"run_dir": str(run_dir), "log_interval": 1}
@@ -148,7 +184,7 @@ def record_run(config: TrainConfig, choices: Plan, step: int, step_s: float, ela
     at `step`), kept as its shape's timing for the next prediction: a run is the truest probe of itself (its
     start-up in a fresh process, the compiler's caches as a run finds them, the machine as it is now)."""
     startup_s = max(0.0, elapsed_s - (step - 1) * step_s)
-    record = StepTiming(startup_s=round(startup_s, 3), step_s=step_s)
+    record = StepTiming(startup_s=round(startup_s, 3), step_s=round(step_s, 4))
     timings.record_timing(KIND, timing_key(config, choices), asdict(record))
 
 
@@ -165,9 +201,9 @@ def choose_shape(
     ladder: Sequence[tuple[Shape, TrainConfig]], budget_s: float, choices: Plan, rate: str
 ) -> ShapeChoice:
     """The largest shape of `ladder` (smallest first, each with the config it gives) whose predicted steps in
-    `budget_s` reach its `min_steps`, each shape's step timed as `choices` will run it (`measure_step`);
+    `budget_s` reach its `min_steps`, each shape's step timed as `choices` will run it (`ladder_timings`);
     `rate` says how the run trains, for the reason."""
-    timed = {shape.name: measure_step(config, choices) for shape, config in ladder}
+    timed = ladder_timings(ladder, choices)
     steps = {shape.name: predicted_steps(config, budget_s, timed[shape.name]) for shape, config in ladder}
     shapes = [shape for shape, _ in ladder]
     chosen = max(i for i, shape in enumerate(shapes) if i == 0 or steps[shape.name] >= shape.min_steps)
