@@ -27,8 +27,8 @@ from scratchlm.quickstart.sizes import FAST_SHAPES, QuickstartSize, train_config
 from scratchlm.run import RunDirectory, RunSummary, StopReason, load_trained, read_metrics
 from scratchlm.run.load import TrainedModel
 from scratchlm.tokenizer import END_OF_TEXT
-from scratchlm.training.config import TrainConfig
 from scratchlm.training.budget import BudgetDecision
+from scratchlm.training.config import TrainConfig
 from scratchlm.training.sizing import Shape, ShapeChoice, choose_shape, record_run
 from scratchlm.training.start import config_changes
 from scratchlm.training.trainer import train
