@@ -44,12 +44,14 @@ from scratchlm.console import console
 from scratchlm.device import timings
 from scratchlm.device.planning import Plan, plan
 from scratchlm.run.metrics import read_metrics
-from scratchlm.training.budget import CALIBRATION_STEPS, evaluation_share, fit_steps
+from scratchlm.training.budget import CALIBRATION_STEPS, MEASURE_FROM, evaluation_share, fit_steps
 from scratchlm.training.config import TrainConfig
 from scratchlm.training.recipes import Recipe
 
 KIND = "train"  # train-timings.json (`scratchlm.device.timings`)
-PROBE_STEPS = 8  # steps a shape is timed over: the first (start-up) apart, the median of the rest
+# Steps a shape is timed over: the first ones (start-up, the allocator filling its pools) apart, as the
+# trainer's own measurement leaves them out (`MEASURE_FROM`), the median of the rest.
+PROBE_STEPS = 12
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def measure_step(config: TrainConfig, choices: Plan) -> StepTiming:
         if compiled:
             _train_briefly(config, compiled, 1, Path(scratch, "compile"))
         clock = _train_briefly(config, compiled, PROBE_STEPS, Path(scratch, "timed"))
-    steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
+    steps = [b - a for a, b in zip(clock[MEASURE_FROM - 1 :], clock[MEASURE_FROM:], strict=False)]
     timing = StepTiming(startup_s=round(clock[0], 3), step_s=round(statistics.median(steps), 4))
     timings.record_timing(KIND, timing_key(config, choices), asdict(timing))
     return timing
