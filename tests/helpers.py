@@ -88,6 +88,23 @@ def run_metrics(run_dir: Path, key: str) -> list[float]:
     return [r[key] for r in map(json.loads, lines) if key in r]
 
 
+def sft_test_config(root: Path, base: Path, run: str, *overrides: str):
+    """A fine-tuning config of `base` on ROOT/train.jsonl and ROOT/valid.jsonl, trained in ROOT/RUN on the CPU
+    in fp32 with a record every step, then `overrides` (`section.key=value`)."""
+    from scratchlm.chat.sft import sft_config
+
+    settings = [
+        f"sft.base={json.dumps(str(base))}",
+        f"sft.train={json.dumps(str(root / 'train.jsonl'))}",
+        f"sft.valid={json.dumps(str(root / 'valid.jsonl'))}",
+        f"logging.run_dir={json.dumps(str(root / run))}",
+        "training.device='cpu'",
+        "training.precision='fp32'",
+        "logging.log_interval=1",
+    ]
+    return sft_config(None, [*settings, *overrides])
+
+
 def last_checkpoint(run_dir: Path) -> dict:
     """The newest checkpoint of `run_dir` as the dict a single file holds; a sharded one (a directory, as
     `training.parallel = "fsdp"` writes) consolidated in this process."""

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_state
+from helpers import assert_same_state, last_checkpoint, sft_test_config
 from interop_helpers import assert_one_line_error, run_cli
 from serve_helpers import chat_run
 
@@ -102,15 +102,10 @@ def chat_base(tmp_path_factory):
 
 
 def lora_config(root, base, run: str, *extra: str, steps: int = 8):
-    from scratchlm.chat.sft import sft_config
-
-    overrides = [
-        f"sft.base={json.dumps(str(base))}",
-        f"sft.train={json.dumps(str(root / 'train.jsonl'))}",
-        f"sft.valid={json.dumps(str(root / 'valid.jsonl'))}",
-        f"logging.run_dir={json.dumps(str(root / run))}",
-        "training.device='cpu'",
-        "training.precision='fp32'",
+    return sft_test_config(
+        root,
+        base,
+        run,
         "training.batch_size=4",
         f"training.max_steps={steps}",
         "schedule.cosine_cycle_iters=8",
@@ -118,22 +113,16 @@ def lora_config(root, base, run: str, *extra: str, steps: int = 8):
         "eval.interval=4",
         "eval.iters=1",
         "checkpoint.interval=4",
-        "logging.log_interval=1",
         "lora.rank=4",
         *extra,
-    ]
-    return sft_config(None, overrides)
-
-
-def checkpoint_of(run_dir) -> dict:
-    return torch.load(sorted((run_dir / "checkpoints").iterdir())[-1], weights_only=True)
+    )
 
 
 def test_training_changes_the_adapters_only_and_checkpoints_hold_them_alone(chat_base):
     root, base = chat_base
     base_state = {k: v.clone() for k, v in load_trained(base).model.state_dict().items()}
     train(lora_config(root, base, "lora"))
-    saved = checkpoint_of(root / "lora")
+    saved = last_checkpoint(root / "lora")
     assert saved["model"] and all(k.endswith((".lora_A", ".lora_B")) for k in saved["model"])
     assert saved["lora"]["rank"] == 4 and saved["lora"]["base"] == str(base.resolve())
     assert any(v.abs().sum() > 0 for k, v in saved["model"].items() if k.endswith("lora_B"))  # B has moved
@@ -158,7 +147,7 @@ def test_a_lora_run_resumes_bit_for_bit(chat_base):
     train(lora_config(root, base, "straight"))
     train(lora_config(root, base, "resumed", steps=4))
     train(lora_config(root, base, "resumed"), resume=True)
-    assert_same_state(checkpoint_of(root / "straight"), checkpoint_of(root / "resumed"))
+    assert_same_state(last_checkpoint(root / "straight"), last_checkpoint(root / "resumed"))
 
 
 def test_a_base_that_changed_or_moved_is_refused(chat_base, tmp_path):
@@ -215,7 +204,7 @@ def unmerged(run, base) -> TransformerLM:
     """The LoRA run's model as it trained: its base with the saved adapters on it, not merged."""
     from scratchlm.model.lora import load_trainable
 
-    saved = checkpoint_of(run)
+    saved = last_checkpoint(run)
     model = load_trained(base).model
     apply_lora(model, Adapters.from_dict(saved["lora"]))
     load_trainable(model, saved["model"], "test")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_state, scratchlm_command
+from helpers import assert_same_state, last_checkpoint, scratchlm_command, sft_test_config
 from interop_helpers import assert_one_line_error, run_cli
 from serve_helpers import tiny_run
 
@@ -37,15 +37,10 @@ def base_and_data(tmp_path_factory):
 
 
 def config_for(root, base, run: str, *extra: str, steps: int = 12, grad_accum: int = 1):
-    from scratchlm.chat.sft import sft_config
-
-    overrides = [
-        f"sft.base={json.dumps(str(base))}",
-        f"sft.train={json.dumps(str(root / 'train.jsonl'))}",
-        f"sft.valid={json.dumps(str(root / 'valid.jsonl'))}",
-        f"logging.run_dir={json.dumps(str(root / run))}",
-        "training.device='cpu'",
-        "training.precision='fp32'",
+    return sft_test_config(
+        root,
+        base,
+        run,
         "training.batch_size=8",
         f"training.grad_accum={grad_accum}",
         f"training.max_steps={steps}",
@@ -53,14 +48,8 @@ def config_for(root, base, run: str, *extra: str, steps: int = 12, grad_accum: i
         "eval.interval=4",
         "eval.iters=2",
         "checkpoint.interval=4",
-        "logging.log_interval=1",
         *extra,
-    ]
-    return sft_config(None, overrides)
-
-
-def final_state(run_dir) -> dict:
-    return torch.load(sorted((run_dir / "checkpoints").iterdir())[-1], weights_only=True)
+    )
 
 
 def test_a_base_run_is_fine_tuned_into_a_chat_model(base_and_data):
@@ -104,7 +93,7 @@ def test_fine_tuning_resumes_bit_for_bit(base_and_data):
     train(config_for(root, base, "straight"))
     train(config_for(root, base, "resumed", steps=6))
     train(config_for(root, base, "resumed"), resume=True)
-    assert_same_state(final_state(root / "straight"), final_state(root / "resumed"))
+    assert_same_state(last_checkpoint(root / "straight"), last_checkpoint(root / "resumed"))
 
 
 # The losses of `config_for` with two micro-batches a step, as the loop computed them before fine-tuning reached
@@ -143,7 +132,7 @@ def test_micro_batches_weigh_each_assistant_token_alike(base_and_data):
     root, base = base_and_data
     train(config_for(root, base, "one", steps=3))
     train(config_for(root, base, "two", steps=3, grad_accum=2))
-    one, two = final_state(root / "one")["model"], final_state(root / "two")["model"]
+    one, two = last_checkpoint(root / "one")["model"], last_checkpoint(root / "two")["model"]
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
 
