@@ -102,6 +102,7 @@ def test_a_step_is_timed_by_the_run_itself_once_per_machine(tmp_path, monkeypatc
     data = PreparedData(tmp_path, tmp_path / "train.npy", tmp_path / "valid.npy")
     values = train_config(SMALL, data, tmp_path / "run", 60.0, "cpu", 0, "fast", FAST_SHAPES[0]).to_dict()
     values["data"]["tokenizer"] = ""  # token ids made here, by no tokenizer
+    values["training"]["precision"] = "fp32"  # not what "auto" resolves to on this machine
     config = TrainConfig.from_dict(values)
     choices = plan(torch.device("cpu"), config.training.precision, compile=False)
     timing = measure_step(config, choices)

@@ -4,8 +4,8 @@ A frozen weight `W (out, in)` gains a trainable product of two thin matrices, an
 
     y = x Wᵀ + (α / r) · (x Aᵀ) Bᵀ          A (r, in), B (out, r), r ≪ min(in, out)
 
-so the update the fine-tuning learns, `ΔW = (α / r) B A`, has rank at most r. `A` starts Kaiming-uniform (as
-`nn.Linear`'s weight, bound `1 / sqrt(in)`; what peft does) and `B` at zero, so that at the first step
+so the update the fine-tuning learns, `ΔW = (α / r) B A`, has rank at most r. `A` starts uniform on ±1/sqrt(in)
+(Kaiming-uniform with a = sqrt(5), what peft does) and `B` at zero, so that at the first step
 `ΔW = 0` and the model is exactly its base; the gradient reaches `B` first (`∂L/∂B = (α/r) gᵀ (x Aᵀ)`), then
 `A`. The scaling `α / r` keeps the size of the update the same across ranks for one learning rate: the default
 `α = 2 r` (a scaling of 2, whatever the rank) means a rate measured at one rank holds at another.
@@ -77,7 +77,10 @@ def add_lora(linear: Linear, rank: int, scaling: float) -> LoRALinear:
     both float32 (the adapters and their optimizer state are trained in full precision whatever the base's)."""
     weight = linear.weight
     a = torch.empty(rank, linear.in_features, device=weight.device, dtype=torch.float32)
-    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's init: U(-1/sqrt(in), 1/sqrt(in))
+    # Uniform on ±1/sqrt(in): Kaiming-uniform with a = sqrt(5), gain sqrt(2 / (1 + a²)) = sqrt(1/3), bound
+    # sqrt(3) · gain / sqrt(in); the init of peft's A, written out.
+    bound = 1 / math.sqrt(linear.in_features)
+    a.uniform_(-bound, bound)
     b = torch.zeros(linear.out_features, rank, device=weight.device, dtype=torch.float32)
     linear.__class__ = LoRALinear
     linear.lora_A, linear.lora_B = nn.Parameter(a), nn.Parameter(b)
