@@ -213,3 +213,14 @@ def test_a_compiled_ladder_compiles_only_its_smallest_shape(tmp_path, monkeypatc
     assert (16, True) not in runs  # never compiled
     sizing.record_run(ladder[1][1], compiled, 20, 0.6, 20.0)
     assert sizing.ladder_timings(ladder, compiled)[large] == StepTiming(startup_s=8.6, step_s=0.6)
+
+
+def test_a_timing_is_keyed_by_the_runs_threads_not_the_processs() -> None:
+    """A run sets its threads as it starts, so the record it leaves must be found by a process that has not."""
+    from helpers import torch_threads
+
+    config, choices = config_of(FAST_SHAPES[0]), plan(torch.device("cpu"), "fp32", threads=1)
+    with torch_threads(1):
+        before = sizing.timing_key(config, choices)
+    with torch_threads(2):
+        assert sizing.timing_key(config, choices) == before

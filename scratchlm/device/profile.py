@@ -248,9 +248,9 @@ def _measure_and_cache(device: torch.device, path: Path) -> DeviceProfile:
     return profile
 
 
-def profile_path(device: torch.device) -> Path:
-    """Where this machine caches the profile of `device` at the current thread count."""
-    return cache_dir() / f"device-{_cache_key(device, torch.get_num_threads())}.json"
+def profile_path(device: torch.device, threads: int | None = None) -> Path:
+    """Where this machine caches the profile of `device` at `threads` (default: the current thread count)."""
+    return cache_dir() / f"device-{_cache_key(device, threads or torch.get_num_threads())}.json"
 
 
 def device_profile(device: torch.device, refresh: bool = False) -> DeviceProfile:

@@ -24,9 +24,10 @@ def timings_path(kind: str) -> Path:
     return cache_dir() / f"{kind}-timings.json"
 
 
-def timings_key(device: torch.device, *parts: object) -> str:
-    """`device`'s profile key (device, CPU flags, torch version, threads), then `parts`."""
-    return "|".join([profile_path(device).stem, *map(str, parts)])
+def timings_key(device: torch.device, *parts: object, threads: int | None = None) -> str:
+    """`device`'s profile key (device, CPU flags, torch version, and `threads`, by default the current thread
+    count), then `parts`."""
+    return "|".join([profile_path(device, threads).stem, *map(str, parts)])
 
 
 def read_timings(kind: str) -> dict[str, dict[str, Any]]:

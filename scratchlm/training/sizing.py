@@ -95,6 +95,8 @@ def timing_key(config: TrainConfig, choices: Plan) -> str:
     model's shape and the batch."""
     m = config.model
     shape = (m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, m.d_ff, m.value_embeddings)
+    # Keyed by the run's threads, not by the process's current ones: a probe or a run sets them while it trains.
+    threads = choices.threads.value or None
     return timings.timings_key(
         torch.device(choices.device),
         choices.precision.value,
@@ -102,6 +104,7 @@ def timing_key(config: TrainConfig, choices: Plan) -> str:
         f"compile={choices.compile.value}",
         ",".join(map(str, shape)),
         f"batch={config.training.batch_size}",
+        threads=threads,
     )
 
 
