@@ -384,18 +384,53 @@ def test_an_imported_tokenizer_exports_under_its_pre_name_and_comes_back(tmp_pat
     assert_encodes_as_transformers(again, exported, seed=5)
 
 
-def test_export_refuses_a_tokenizer_no_pre_name_encodes_as_in_one_line(tmp_path, capsys):
-    """A prefix space (RoBERTa's, say) is no setting of llama.cpp's byte-level BPE: no GGUF is written."""
+def _template(before: list[int], after: list[int]) -> dict:
+    """A TemplateProcessing post-processor that puts `before` and `after` around the text."""
+    names = {f"T{i}": i for i in (*before, *after)}
+    items = [{"SpecialToken": {"id": f"T{i}", "type_id": 0}} for i in before]
+    items += [{"Sequence": {"id": "A", "type_id": 0}}]
+    items += [{"SpecialToken": {"id": f"T{i}", "type_id": 0}} for i in after]
+    special = {name: {"id": name, "ids": [i], "tokens": [name]} for name, i in names.items()}
+    return {"type": "TemplateProcessing", "single": items, "pair": [], "special_tokens": special}
+
+
+EOS = small_tokenizer().token_id(END_OF_TEXT)
+EXPORT_REFUSALS = {
+    # A prefix space (RoBERTa's, say) is no setting of llama.cpp's byte-level BPE.
+    "prefix space": (
+        lambda data: data["pre_tokenizer"].update(add_prefix_space=True),
+        ("tokenizer.ggml.pre", "add_prefix_space"),
+    ),
+    "two ids before": (
+        lambda data: data.update(post_processor=_template([EOS, 300], [])),
+        (f"puts 2 ids [{EOS}, 300] before the text; llama.cpp adds one BOS token",),
+    ),
+    "a suffix that is not the EOS": (
+        lambda data: data.update(post_processor=_template([], [300])),
+        (f"puts the ids [300] after the text; llama.cpp adds one, the end-of-sequence token {EOS}",),
+    ),
+    "an lstrip token": (
+        lambda data: data["added_tokens"][0].update(lstrip=True),
+        ("the added token '<|endoftext|>' is lstrip, which llama.cpp's token types",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_REFUSALS)
+def test_export_refuses_a_tokenizer_llama_cpp_would_encode_otherwise_in_one_line(tmp_path, capsys, case):
+    """What neither a tokenizer.ggml.pre name nor GGUF's token types and BOS/EOS keys say: no GGUF is written."""
+    change, fragments = EXPORT_REFUSALS[case]
     data = json.loads(hf_tokenizer_json(small_tokenizer(), tmp_path).read_text())
-    data["pre_tokenizer"]["add_prefix_space"] = True
+    change(data)
     tokenizer = from_tokenizer_json(data, "tokenizer.json")
     make_run(tmp_path / "run", scratch_model(SMALL), tokenizer)
     out = tmp_path / "model.gguf"
     status, _, err = run_cli(
         ["export", "--run", str(tmp_path / "run"), "--format", "gguf", "--out", str(out)], capsys
     )
-    assert_one_line_error(status, err, "tokenizer.ggml.pre", "add_prefix_space")
+    assert_one_line_error(status, err, *fragments)
     assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "scratchlm-tokenizer", "tokenizer.json"]
 
 
 # -- refusals --------------------------------------------------------------------------------------------------

@@ -161,11 +161,18 @@ class JinjaChatTemplate:
         return self.tokenizer.encode(self.render(messages, add_generation_prompt))
 
     def _end_of_turn(self) -> int | None:
-        """The first special token the template writes after an assistant's content."""
+        """The first special token the template writes after an assistant's content. An imported tokenizer's
+        added tokens that are not special (`AddedToken.special`: a GGUF file's user-defined tokens, such as
+        `<tool_call>`) are text a model writes, never where it stops."""
         probe = "\x00probe\x00"
         text = self.render([Message("user", "x"), Message("assistant", probe)], add_generation_prompt=False)
         after = text[text.index(probe) + len(probe) :] if probe in text else ""
-        found = [(after.find(t), t) for t in self.tokenizer.special_tokens if t in after]
+        options = self.tokenizer.options
+        found = [
+            (after.find(t), t)
+            for t in self.tokenizer.special_tokens
+            if t in after and options.added_token(t).special
+        ]
         return self.tokenizer.token_id(min(found)[1]) if found else None
 
 

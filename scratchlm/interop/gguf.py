@@ -9,9 +9,11 @@ architecture reads:
     llama.rope.dimension_count (the head size, all of it rotated), llama.vocab_size
     tokenizer.ggml.model = "gpt2" (byte-level BPE), .pre (how text is cut: "gpt-2" for GPT-2's pattern, the
     name of an imported tokenizer's patterns, `PRE_TOKENIZERS`),
-    tokenizer.ggml.tokens (each token's text in GPT-2's printable byte form, special tokens as written),
-    .token_type (1 normal, 3 control = special, 5 unused = padding up to the model's vocab_size),
-    .merges ("a b", in rank order), .bos_token_id / .eos_token_id (<|endoftext|>), .add_bos_token = false
+    tokenizer.ggml.tokens (each token's text in GPT-2's printable byte form, added tokens as written),
+    .token_type (1 normal, 3 control = special, 4 user-defined = an added token that is not special, 5
+    unused = padding up to the model's vocab_size), .merges ("a b", in rank order), .eos_token_id
+    (<|endoftext|>), .add_bos_token with .bos_token_id (true and the BOS where a post-processor puts one
+    before the text, as Llama 3's does; else false, with <|endoftext|> as the BOS), .add_eos_token likewise
     tokenizer.chat_template (a chat model's Jinja template, `scratchlm.chat`), .eot_token_id (its end of turn,
     <|end|>, where llama.cpp ends an answer as it ends a document at the end-of-sequence token)
 
@@ -35,6 +37,7 @@ import copy
 import dataclasses
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +60,13 @@ from scratchlm.interop.verify import (
 from scratchlm.io import check_output_file
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.load import TrainedModel
-from scratchlm.tokenizer.options import EncodingOptions
+from scratchlm.tokenizer.options import AddedToken, EncodingOptions
 from scratchlm.tokenizer.serialization import token_to_text
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
-# llama.cpp's token types (`llama_token_type`); scratchlm writes the first two and the last, and reads all four
+# llama.cpp's token types (`llama_token_type`), those of byte-level BPE vocabularies
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 # llama.cpp's split patterns (llama-vocab.cpp), applied in turn as `EncodingOptions.split_patterns`. Its GPT-2
@@ -125,14 +128,15 @@ class GGUFAdapter(StateDictAdapter):
 
 
 def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) for the model's `vocab_size` ids: ids the tokenizer lacks (the model may
-    have more rows than it has tokens) become unused padding tokens."""
+    """(tokens, token types, merges) for the model's `vocab_size` ids: an added token is a control token when
+    it is special, else a user-defined one (`token_type`); ids the tokenizer lacks (the model may have more
+    rows than it has tokens) become unused padding tokens."""
     specials = {tokenizer.token_id(s): s for s in tokenizer.special_tokens}
     tokens, types = [], []
     for token_id in range(vocab_size):
         if token_id in specials:
             tokens.append(specials[token_id])
-            types.append(TOKEN_CONTROL)
+            types.append(token_type(tokenizer.options.added_token(specials[token_id])))
         elif token_id in tokenizer.vocab:
             tokens.append(token_to_text(tokenizer.vocab[token_id]))
             types.append(TOKEN_NORMAL)
@@ -143,25 +147,93 @@ def gguf_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], l
     return tokens, types, merges
 
 
+def token_type(token: AddedToken) -> int:
+    """The llama.cpp token type of an added token; a one-line error for flags llama.cpp has no type for.
+
+    llama.cpp finds every control and user-defined token in the raw text before pre-tokenization, the
+    longest first (`tokenizer_st_partition`), as `tokenizers` finds an added token that is not `normalized`.
+    A control token is a special one: it is found only when special tokens are parsed, and detokenizes to
+    nothing unless they are rendered. A user-defined token is found always and always detokenizes to its
+    text: `tokenizers`' added token that is not special. llama.cpp reads no strip or normalization flags from
+    a file."""
+    if token.lstrip or token.rstrip or token.normalized:
+        flags = [name for name in ("lstrip", "rstrip", "normalized") if getattr(token, name)]
+        raise ScratchlmError(
+            f"GGUF export: the added token {token.content!r} is {' and '.join(flags)}, which llama.cpp's "
+            "token types (control, user-defined) do not say: they are matched in the raw text, unstripped"
+        )
+    return TOKEN_CONTROL if token.special else TOKEN_USER_DEFINED
+
+
 def pre_tokenizer_name(options: EncodingOptions) -> str:
-    """The `tokenizer.ggml.pre` under which llama.cpp encodes as a tokenizer with `options`; a one-line error
-    naming the options when no name does (a prefix space, NFC, added-token flags, a BOS put before the text,
-    another split pattern). A vocabulary's missing single-byte tokens need no name: its tokens say so, and
-    llama.cpp drops such a byte as scratchlm does."""
-    carried = dataclasses.replace(options, drop_missing_bytes=False)
-    name = next((name for name, known in PRE_TOKENIZERS.items() if known == carried), None)
+    """The `tokenizer.ggml.pre` under which llama.cpp cuts text into pre-tokens as a tokenizer with `options`
+    does; a one-line error naming the options when no name does (a prefix space, another split pattern).
+    What the name does not carry is the file's other business: the added tokens' flags (`token_type`), the
+    ids around the text (`SpecialIds`), NFC (which llama.cpp does not apply: `nfc_notice`), and a
+    vocabulary's missing single-byte tokens, which its tokens say (llama.cpp drops such a byte as scratchlm
+    does)."""
+    cut = dataclasses.replace(
+        options, drop_missing_bytes=False, normalizer=None, added_tokens=(), prefix_ids=(), suffix_ids=()
+    )
+    name = next((name for name, known in PRE_TOKENIZERS.items() if known == cut), None)
     if name is None:
         raise ScratchlmError(
             "GGUF export writes a tokenizer llama.cpp encodes by its tokenizer.ggml.pre name (one of "
-            f"{', '.join(PRE_TOKENIZERS)}); none encodes as this one, whose options "
-            f"{', '.join(carried.changed())} differ from GPT-2's as no name's do"
+            f"{', '.join(PRE_TOKENIZERS)}); none cuts text as this one, whose options "
+            f"{', '.join(cut.changed())} differ from GPT-2's as no name's do"
         )
     return name
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids a GGUF file names: `bos`, `eos` and whether llama.cpp puts them around every text it tokenizes
+    with `add_special` (`tokenizer.ggml.add_bos_token`, `.add_eos_token`): a tokenizer's post-processor ids,
+    `EncodingOptions.prefix_ids` and `suffix_ids`, which `Tokenizer.encode(text, add_special_tokens=True)`
+    adds. llama.cpp adds one BOS before and one EOS after, so a tokenizer that puts more around its text is
+    refused, and so is one whose suffix is not its end of text (the file's one EOS, where llama.cpp ends a
+    generation). Without a BOS of its own a file names <|endoftext|> as its BOS, as GPT-2's files do."""
+
+    bos: int | None
+    eos: int | None
+    add_bos: bool = False
+    add_eos: bool = False
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> SpecialIds:
+        options, eos = tokenizer.options, tokenizer.eos_id
+        if len(options.prefix_ids) > 1:
+            raise ScratchlmError(
+                f"GGUF export: the tokenizer puts {len(options.prefix_ids)} ids {list(options.prefix_ids)} "
+                "before the text; llama.cpp adds one BOS token (tokenizer.ggml.add_bos_token)"
+            )
+        if options.suffix_ids not in ((), (eos,)):
+            raise ScratchlmError(
+                f"GGUF export: the tokenizer puts the ids {list(options.suffix_ids)} after the text; llama.cpp "
+                f"adds one, the end-of-sequence token {eos} (tokenizer.ggml.add_eos_token)"
+            )
+        bos = options.prefix_ids[0] if options.prefix_ids else eos
+        return cls(bos, eos, bool(options.prefix_ids), bool(options.suffix_ids))
+
+
+def nfc_notice(options: EncodingOptions, pre: str) -> str | None:
+    """What export says of an NFC normalizer (Qwen2's), which llama.cpp does not apply: its BPE tokenizer
+    normalizes nothing under any `tokenizer.ggml.pre` name. Text already in NFC (as most text is: keyboards
+    and the web write composed characters) encodes the same; a decomposed accent (e + U+0301) is cut and merged
+    as it is where this tokenizer would first compose it. llama.cpp's own converter writes Qwen2 so too."""
+    if options.normalizer != "NFC":
+        return None
+    return (
+        f"warning: llama.cpp does not NFC-normalize text (tokenizer.ggml.pre = {pre!r}): text that is not "
+        "already in NFC form encodes differently there"
+    )
+
+
 def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: str, name: str) -> None:
     """Write the GGUF file of `model` and `tokenizer` to `path` (see the module docstring)."""
-    pre = pre_tokenizer_name(tokenizer.options)  # before anything is written
+    pre = pre_tokenizer_name(tokenizer.options)  # the refusals before anything is written
+    ids = SpecialIds.of(tokenizer)
+    tokens, types, merges = gguf_vocabulary(tokenizer, model.config.vocab_size)
     gguf = require("gguf")
     c = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -178,19 +250,21 @@ def write_gguf(model: TransformerLM, tokenizer: Tokenizer, path: Path, dtype: st
     writer.add_rope_dimension_count(c.head_dim)
     writer.add_vocab_size(c.vocab_size)
 
-    tokens, types, merges = gguf_vocabulary(tokenizer, c.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    if (eos := tokenizer.eos_id) is not None:
-        writer.add_bos_token_id(eos)
-        writer.add_eos_token_id(eos)
-    writer.add_add_bos_token(False)
+    if ids.bos is not None:
+        writer.add_bos_token_id(ids.bos)
+    if ids.eos is not None:
+        writer.add_eos_token_id(ids.eos)
+    # Always written: llama.cpp adds a BOS by default under Llama 3's names.
+    writer.add_add_bos_token(ids.add_bos)
+    writer.add_add_eos_token(ids.add_eos)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template)
-        turn_ends = [i for i in stop_ids(tokenizer) if i != eos]
+        turn_ends = [i for i in stop_ids(tokenizer) if i != ids.eos]
         if turn_ends:
             writer.add_eot_token_id(turn_ends[0])
 
@@ -251,6 +325,8 @@ def export_gguf(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp:
         path = Path(tmp) / out.name
         write_gguf(model, trained.tokenizer, path, dtype, out.stem)
+        if notice := nfc_notice(trained.tokenizer.options, pre_tokenizer_name(trained.tokenizer.options)):
+            console.print(notice)
         difference = _verify(path, model, dtype)
         os.chmod(path, 0o666 & ~_umask())
         os.replace(path, out)

@@ -16,11 +16,15 @@ What becomes what:
                                    `output.weight` means tied embeddings, as llama.cpp reads it
     tokenizer.ggml.*               the `Tokenizer`: model "gpt2" (byte-level BPE; "llama", SentencePiece, is
                                    refused), tokens in GPT-2's printable byte form, merges, token_type (control
-                                   and user-defined tokens become special tokens, matched whole; unused ones,
-                                   padding up to the model's vocabulary, are left out), pre: the split
-                                   patterns, as llama.cpp reads the name (`gguf.PRE_TOKENIZERS`: gpt-2,
-                                   default, Llama 3's, qwen2, smollm; another name is refused). A byte
-                                   without a token of its own is dropped from the text, as llama.cpp drops it
+                                   tokens become special tokens, user-defined ones added tokens that are not
+                                   special, `AddedToken(special=False)`: both matched whole in the raw text,
+                                   as llama.cpp matches them; unused ones, padding up to the model's
+                                   vocabulary, are left out), pre: the split patterns, as llama.cpp reads the
+                                   name (`gguf.PRE_TOKENIZERS`: gpt-2, default, Llama 3's, qwen2, smollm;
+                                   another name is refused), add_bos_token / add_eos_token with bos_token_id /
+                                   eos_token_id: the ids put around a text (`EncodingOptions.prefix_ids`,
+                                   `suffix_ids`). A byte without a token of its own is dropped from the text,
+                                   as llama.cpp drops it
     tokenizer.chat_template        the chat template (Jinja), kept when scratchlm can render it
 
 Every tensor is dequantized to float32 by the `gguf` package's own `gguf.quants.dequantize`, bit-exact with
@@ -35,6 +39,7 @@ GGUF file's W_Q and W_K load into scratchlm unchanged, as `GGUFAdapter.rotates_h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -62,6 +67,7 @@ from scratchlm.model.config import DEFAULT_NORM_EPS, ModelConfig
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.load import check_pair
 from scratchlm.tokenizer import END_OF_TEXT
+from scratchlm.tokenizer.options import AddedToken
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 TOKEN_TYPE_NAMES = {2: "unknown", 6: "byte"}  # the types of SentencePiece vocabularies, not of byte-level BPE
@@ -214,12 +220,14 @@ def tokenizer_from_gguf(file: GGUFFile) -> Tokenizer | None:
         raise ScratchlmError(
             f"{file.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
         )
-    texts, specials = {}, {}
+    texts, specials, user_defined = {}, {}, []
     for token_id, (text, kind) in enumerate(zip(tokens, types, strict=True)):
         if kind == TOKEN_NORMAL:
             texts[token_id] = text
         elif kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
             specials[token_id] = text
+            if kind == TOKEN_USER_DEFINED:
+                user_defined.append(AddedToken(text, special=False))
         elif kind != TOKEN_UNUSED:
             name = TOKEN_TYPE_NAMES.get(kind, "not a llama.cpp token type")
             raise ScratchlmError(
@@ -230,21 +238,45 @@ def tokenizer_from_gguf(file: GGUFFile) -> Tokenizer | None:
     merges = file.field("tokenizer.ggml.merges", list, [])
     template = file.field("tokenizer.chat_template", str, None)
     fields = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-    tokenizer = byte_level_tokenizer(
-        texts, merges, specials, str(file.path), template, PRE_TOKENIZERS[pre], fields
+    prefix, suffix = _ids_around_text(file, pre, set(texts) | set(specials))
+    options = dataclasses.replace(
+        PRE_TOKENIZERS[pre], added_tokens=tuple(user_defined), prefix_ids=prefix, suffix_ids=suffix
     )
+    tokenizer = byte_level_tokenizer(texts, merges, specials, str(file.path), template, options, fields)
     _warn_of_other_ends(file, tokenizer)
     return usable_template(tokenizer, file.path)
 
 
+def _ids_around_text(file: GGUFFile, pre: str, ids: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix_ids, suffix_ids): the BOS and EOS llama.cpp puts around a text it tokenizes with `add_special`.
+    As llama.cpp reads the file, `add_bos_token` is true by default under Llama 3's names (false under the
+    others), `add_eos_token` false; the ids are `bos_token_id` and `eos_token_id`. A file that asks for one
+    without naming it (llama.cpp would then add id 11, its default) gets a warning and adds none."""
+    around: list[tuple[int, ...]] = []
+    for end, default in (("bos", pre in ("llama-bpe", "llama3", "llama-v3")), ("eos", False)):
+        if not file.field(f"tokenizer.ggml.add_{end}_token", bool, default):
+            around.append(())
+            continue
+        token_id = file.field(f"tokenizer.ggml.{end}_token_id", int, None)
+        if token_id is None:
+            console.print(
+                f"warning: {file.path} asks for a {end.upper()} token around every text "
+                f"(tokenizer.ggml.add_{end}_token) but names none (tokenizer.ggml.{end}_token_id); none is added"
+            )
+            around.append(())
+        elif token_id not in ids:
+            raise ScratchlmError(
+                f"{file.path}: tokenizer.ggml.{end}_token_id = {token_id}, which is no token of the vocabulary "
+                f"(ids 0..{len(file.field('tokenizer.ggml.tokens', list)) - 1}, unused ones excepted)"
+            )
+        else:
+            around.append((token_id,))
+    return around[0], around[1]
+
+
 def _warn_of_other_ends(file: GGUFFile, tokenizer: Tokenizer) -> None:
-    """A warning for each token setting of the file that scratchlm's generation does not follow: a BOS token
-    put before every text, an end-of-sequence token other than <|endoftext|>."""
-    if file.field("tokenizer.ggml.add_bos_token", bool, False):
-        console.print(
-            f"warning: {file.path} asks for a BOS token before every text (tokenizer.ggml.add_bos_token); "
-            "scratchlm's tokenizer adds none"
-        )
+    """A warning when the file ends a text at an end-of-sequence token other than <|endoftext|>, which
+    scratchlm's generation does not follow."""
     eos = file.field("tokenizer.ggml.eos_token_id", int, None)
     if eos is not None and eos != tokenizer.eos_id:
         text = tokenizer.decode([eos]) if eos in tokenizer.vocab else f"id {eos}"
