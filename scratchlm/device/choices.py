@@ -240,11 +240,11 @@ def choose_int8_matmul(profile: DeviceProfile, precision: str) -> Choice:
         (tokens, rates.get(f"pack_{tokens}", 0.0), rates.get(f"dequantize_{tokens}", 0.0))
         for tokens in INT8_TOKENS
     ]
-    pack = all(packed > 0 and packed >= dequantized for _, packed, dequantized in sizes)
     if not any(packed > 0 for _, packed, _ in sizes):
         return Choice(
             "dequantize", f"aten._weight_int8pack_mm does not run for {precision} here", measured=True
         )
+    pack = all(packed >= dequantized for _, packed, dequantized in sizes)
     measured = "; ".join(
         f"{tokens} token{'' if tokens == 1 else 's'}: pack {packed:g}, dequantize {dequantized:g}"
         for tokens, packed, dequantized in sizes
