@@ -340,6 +340,7 @@ SMALL_MEASUREMENT = {
     "CPU_MEMORY_MIB": 4,
     "MEASURE_SECONDS": 0.03,
     "MATVEC_SECONDS": 0.01,
+    "INT8_REPEATS": 2,
 }
 
 
@@ -375,6 +376,14 @@ def test_the_profile_is_measured_once_per_machine_and_cached(measuring, monkeypa
     # How it was measured is part of the profile: now, with this process's threads, the best of 2 trials.
     assert (first.threads, first.trials, first.provisional) == (torch.get_num_threads(), 2, False)
     assert profile_module.profile_age_days(first) < 1 / 24
+    # The int8 product of every precision, each way at each size (PyTorch's kernel may be 0: missing here).
+    keys = {f"{way}_{n}" for way in rates_module.INT8_WAYS for n in rates_module.INT8_TOKENS}
+    assert {name: set(found) for name, found in first.int8_gbps.items()} == dict.fromkeys(
+        rates_module.DTYPES, keys
+    )
+    assert all(
+        found[f"dequantize_{n}"] > 0 for found in first.int8_gbps.values() for n in rates_module.INT8_TOKENS
+    )
     monkeypatch.setattr(profile_module, "_in_process", {})  # a new process reads the file
     assert device_profile(torch.device("cpu")) == first and len(calls) == 1
     assert "measuring" not in capsys.readouterr().err
@@ -572,6 +581,7 @@ def scripted_rates(monkeypatch, bf16: list[float], fp32: float = 140.0) -> list[
 
     monkeypatch.setattr(rates_module, "matmul_gflops", matmul)
     monkeypatch.setattr(rates_module, "matvec_gbps", lambda *args, **kwargs: 10.0)
+    monkeypatch.setattr(rates_module, "int8_gbps", lambda *args, **kwargs: {})
     monkeypatch.setattr(rates_module, "memory_gbps", lambda *args, **kwargs: 40.0)
     monkeypatch.setattr(rates_module, "quiet_enough", lambda *args: True)
     return handed
@@ -697,7 +707,7 @@ def test_doctor_reports_the_device_and_the_choices_train_then_uses(tmp_path, cap
     assert profile["matmul_gflops"]["fp32"] > 0 and profile["matmul_gflops"]["bf16"] > 0
     assert profile["memory_gbps"] > 0
     assert report["cores"]["usable"] >= 1 and report["cores"]["affinity"] >= report["cores"]["usable"]
-    for choice in ("precision", "threads", "compile"):
+    for choice in ("precision", "threads", "compile", "matvec", "decode", "int8_matmul"):
         assert set(report[choice]) == {"value", "reason", "measured"}
     assert report["compile_works"] == {"value": None, "reason": "not checked"}
 
@@ -725,7 +735,8 @@ def test_doctor_reads_the_configs_of_the_other_stages(shipped, capsys):
 def test_doctor_prints_a_table_and_checks_its_options(capsys):
     assert main(["doctor", "--no-compile-check", "--set", "training.precision=bf16"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for row in ("device", "matmul GFLOP/s", "memory bandwidth", "precision bf16", "threads", "compile"):
+    rows = ("device", "matmul GFLOP/s", "memory bandwidth", "precision bf16", "threads", "compile")
+    for row in (*rows, "int8 product"):
         assert row in out
     assert main(["doctor", "--set", "model.d_model=64"]) == 2
     assert "only training.* keys" in capsys.readouterr().err
@@ -773,7 +784,7 @@ def test_doctor_says_what_it_waits_for_before_it_waits(measuring, monkeypatch, c
     monkeypatch.setattr(profile_module, "measure", measuring_now)
     monkeypatch.setattr(compiler_module, "compile_works", compiling_now)
     assert main(["doctor", "--set", "training.threads=1"]) == 0
-    assert "measuring cpu with 1 thread: matmuls, memory and matrix-vector products" in said["measure"]
+    assert "measuring cpu with 1 thread: matmuls, memory, matrix-vector and int8 products" in said["measure"]
     assert "checking that torch.compile works here: compiling a small function" in said["compile"]
 
 

@@ -5,6 +5,10 @@
 - The int8 matmul, in each of its forms (PyTorch's `_weight_int8pack_mm` or the dequantized product eagerly,
   the loop of a compiled decode step), equals a brute-force float64 product of the activations and the
   dequantized matrix to float32 rounding: `K` roundings of the dot products' magnitudes, `K` the dot length.
+- Which eager form runs is the plan's (`Plan.int8_matmul`), from the device profile's int8 rates: the kernel
+  only where it ran and measured no slower at every size, with the rates mocked both ways; the layers then
+  call the kernel, or not, as the dispatcher sees, and give the brute-force product either way. The
+  measurement leaves out a kernel that is missing or gives a wrong product.
 - A model trained a few hundred steps keeps its held-out loss within 0.01 nats at int8, and greedy decoding
   (eager, compiled, batched, llama.cpp's at Q8_0 in test_interop_gguf.py) picks the unquantized model's tokens
   up to the bound of test_precision.py at int8's unit: a weight's error is at most 1/254 of its row's largest.
@@ -27,10 +31,15 @@ from helpers import fixture_path
 from interop_helpers import make_run, run_cli, scratch_model, small_tokenizer
 from test_cli import assert_usage_error
 from test_precision import assert_same_greedy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from scratchlm.cli.options import QUANTIZE_SCHEMES as FLAG_SCHEMES
 from scratchlm.data.tokens import get_batch
 from scratchlm.device import plan
+from scratchlm.device import planning as plan_module
+from scratchlm.device import rates as rates_module
+from scratchlm.device.choices import choose_int8_matmul
+from scratchlm.device.profile import DeviceProfile
 from scratchlm.errors import ScratchlmError
 from scratchlm.evaluation import evaluate
 from scratchlm.generation.engine import SequenceRequest, generate_batch
@@ -39,16 +48,22 @@ from scratchlm.generation.layout import prepare_for_inference
 from scratchlm.generation.quantize import (
     QUANTIZE_SCHEMES,
     dequantize,
+    describe,
     quantize_per_channel,
     weight_bytes,
 )
 from scratchlm.generation.sampling import SamplingOptions
 from scratchlm.model.config import ModelConfig
-from scratchlm.model.layers import Embedding, LinearStack, int8_matmul, tracing_step
+from scratchlm.model.layers import Embedding, Linear, LinearStack, int8_matmul, tracing_step
 from scratchlm.model.transformer import TransformerLM
 
 CPU = torch.device("cpu")
 UNIT = 2.0**-24  # float32's unit roundoff
+
+
+NEEDS_KERNEL = pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="this PyTorch has no _weight_int8pack_mm"
+)
 
 
 def fp32_plan():
@@ -85,19 +100,134 @@ def test_quantization_is_symmetric_per_output_channel():
 
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize(("d_in", "d_out"), [(512, 1344), (1344, 512), (512, 1000), (96, 40)])
-@pytest.mark.parametrize("compiled_form", [False, True])
-def test_int8_matmul_equals_the_dequantized_product(rows, d_in, d_out, compiled_form):
+@pytest.mark.parametrize("form", ["dequantize", pytest.param("pack", marks=NEEDS_KERNEL), "compiled"])
+def test_int8_matmul_equals_the_dequantized_product(rows, d_in, d_out, form):
     generator = torch.Generator().manual_seed(d_in + d_out)
     q, scale = quantize_per_channel(torch.randn(d_out, d_in, generator=generator) / 20)
     x = torch.randn(rows, d_in, generator=generator)
-    if compiled_form:  # the forms the layer takes inside a compiled CPU decode step, run eagerly
+    if form == "compiled":  # the forms the layer takes inside a compiled CPU decode step, run eagerly
         with tracing_step():
             y = int8_matmul(x, q, scale)
     else:
-        y = int8_matmul(x, q, scale)
+        y = int8_matmul(x, q, scale, pack=form == "pack")
     reference, magnitude = brute_force(x, q, scale)
     assert y.shape == (rows, d_out) and y.dtype == torch.float32
     assert torch.all((y.double() - reference).abs() <= (d_in + 2) * UNIT * magnitude)
+
+
+# -- which eager form runs: measured, chosen in the plan, applied by the layout --------------------------------
+
+
+def profile_with_int8(rates: dict[str, float] | None) -> DeviceProfile:
+    """A CPU whose fp32 int8 products measured `rates` ("{way}_{tokens}" -> GB/s; None: not measured)."""
+    return DeviceProfile(
+        type="cpu",
+        name="a CPU",
+        matmul_gflops={"fp32": 100.0, "bf16": 1.0, "fp16": 1.0},
+        int8_gbps={} if rates is None else {"fp32": rates},
+    )
+
+
+class OpsRun(TorchDispatchMode):
+    """Records the name of every aten operator that runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class StackAndHead(torch.nn.Module):
+    """Two matrices that read the same input, stacked (as attention's q, k and v), and one alone (a head)."""
+
+    def __init__(self, d_in: int = 96) -> None:
+        super().__init__()
+        self.a, self.b, self.head = Linear(d_in, 40), Linear(d_in, 24), Linear(d_in, 130)
+        self.stack = LinearStack(self.a, self.b)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (*self.stack(x), self.head(x))
+
+
+# fp32 int8 rates, GB/s, as measured on a 2-core AVX2 EPYC for bf16 (the kernel 5x faster) and for fp32 (the
+# kernel 4x slower at one token, 20x at 16); one the kernel wins at one token only; one where it did not run.
+KERNEL_FASTER = {"pack_1": 11.7, "dequantize_1": 2.36, "pack_16": 1.37, "dequantize_16": 0.29}
+KERNEL_SLOWER = {"pack_1": 1.07, "dequantize_1": 4.4, "pack_16": 0.0655, "dequantize_16": 1.47}
+SLOWER_BATCHED = {"pack_1": 5.0, "dequantize_1": 4.0, "pack_16": 1.0, "dequantize_16": 1.5}
+NO_KERNEL = {"pack_1": 0.0, "dequantize_1": 4.4, "pack_16": 0.0, "dequantize_16": 1.47}
+
+
+@pytest.mark.parametrize(
+    "rates, expected",
+    [
+        pytest.param(KERNEL_FASTER, "pack", marks=NEEDS_KERNEL),
+        (KERNEL_SLOWER, "dequantize"),
+        (SLOWER_BATCHED, "dequantize"),
+        (NO_KERNEL, "dequantize"),
+        (None, "dequantize"),
+    ],
+    ids=["kernel-faster", "kernel-slower", "kernel-slower-batched", "no-kernel", "not-measured"],
+)
+def test_the_plans_int8_form_is_the_one_the_layers_run_and_both_give_the_dequantized_product(
+    rates, expected, monkeypatch
+):
+    choice = choose_int8_matmul(profile_with_int8(rates), "fp32")
+    assert choice.value == expected and choice.measured == (rates is not None)
+    if rates is NO_KERNEL:
+        assert "_weight_int8pack_mm does not run for fp32" in choice.reason
+    elif rates is not None:  # the reason shows every rate it was chosen from
+        assert all(f"{key.split('_')[0]} {rate:g}" in choice.reason for key, rate in rates.items())
+    monkeypatch.setattr(plan_module, "device_profile", lambda device, refresh=False: profile_with_int8(rates))
+    choices = plan(CPU, "fp32", threads=1)
+    assert choices.int8_matmul == choice
+    assert ("aten._weight_int8pack_mm" in describe("int8", choices)) == (expected == "pack")
+
+    torch.manual_seed(0)
+    model = prepare_for_inference(StackAndHead(), choices, quantize="int8")
+    assert model.stack.weight is not None and model.stack.weight.dtype == torch.int8  # the stack is in use
+    for tokens in (1, 5):
+        x = torch.randn(2, tokens, 96, generator=torch.Generator().manual_seed(tokens))
+        outputs = []
+        for part in (model.stack, model.head):  # each on its own: a stack's product is not its matrices'
+            with torch.no_grad(), OpsRun() as ops:
+                y = part(x)
+            assert ("_weight_int8pack_mm" in ops.names) == (expected == "pack"), (part, ops.names)
+            outputs += y if isinstance(y, tuple) else [y]
+        for y, linear in zip(outputs, [model.a, model.b, model.head], strict=True):
+            w = dequantize(linear.weight, linear.weight_scale).double()
+            reference = torch.nn.functional.linear(x.double(), w)
+            magnitude = torch.nn.functional.linear(x.double().abs(), w.abs())
+            assert y.dtype == torch.float32
+            assert torch.all((y.double() - reference).abs() <= (96 + 2) * UNIT * magnitude)
+
+
+def test_the_measurement_leaves_out_a_kernel_that_is_missing_or_wrong(monkeypatch):
+    """Timed here: the dequantized product always, PyTorch's kernel where it runs and gives the dequantized
+    product; one that raises, or that gives zeros, is measured as not running (0.0), and the plan then
+    dequantizes. Off a CPU nothing is measured."""
+    monkeypatch.setattr(rates_module, "INT8_REPEATS", 1)
+    keys = {f"{way}_{n}" for way in rates_module.INT8_WAYS for n in rates_module.INT8_TOKENS}
+    assert rates_module.int8_gbps(torch.device("meta"), torch.float32) == {}
+
+    def refused(x, weight, scale):
+        raise RuntimeError("_weight_int8pack_mm: not for this dtype")
+
+    def zeros(x, weight, scale):
+        return torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype)
+
+    for kernel in (refused, zeros):
+        monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", kernel)
+        rates = rates_module.int8_gbps(CPU, torch.float32)
+        assert set(rates) == keys
+        assert all(rates[f"pack_{n}"] == 0.0 < rates[f"dequantize_{n}"] for n in rates_module.INT8_TOKENS)
+        assert choose_int8_matmul(profile_with_int8(rates), "fp32").value == "dequantize"
+    monkeypatch.undo()
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # the real kernel runs, and is timed
+        rates = rates_module.int8_gbps(CPU, torch.float32)
+        assert all(rates[key] > 0 for key in keys)
 
 
 def test_the_flag_and_the_module_name_the_same_schemes():

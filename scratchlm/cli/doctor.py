@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
         "decode_timings": {shape: asdict(t) for shape, t in device_timings(device).items()},
         # What `--quantize int8` of the inference commands does here (off unless asked for).
         "quantize": "off by default; with --quantize int8 (generate, chat, serve, eval): "
-        + describe_quantize("int8", choices.dtype, device),
+        + describe_quantize("int8", choices),
     }
     if args.world is not None:
         report["memory"] = memory_report(config, args.world, choices.precision.value, memory_budget(profile))
@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> None:
     table.add_row(
         "decode step", f"{'compiled' if choices.decode.value else 'eager'} ({choices.decode.reason})"
     )
+    table.add_row("int8 product", f"{choices.int8_matmul.value} ({choices.int8_matmul.reason})")
     table.add_row("--quantize", report["quantize"])
     for shape, timings in device_timings(device).items():
         table.add_row("", f"measured {shape}: {timings.describe()}")

@@ -147,7 +147,7 @@ def load_for_inference(
     if quantize is not None:
         after = weight_bytes(trained.model)
         console.print(
-            f"weights: {describe(quantize, choices.dtype, device)}; {after / 2**20:,.1f} MiB of matrices "
+            f"weights: {describe(quantize, choices)}; {after / 2**20:,.1f} MiB of matrices "
             f"instead of {before / 2**20:,.1f} MiB in {choices.precision.value}",
             style="dim",
             markup=False,

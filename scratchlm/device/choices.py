@@ -37,6 +37,7 @@ import torch
 from scratchlm.device.compiler import compiler_found
 from scratchlm.device.host import affinity_cpus, busy_cores, cpu_times, others_busy, usable_cores
 from scratchlm.device.profile import DeviceProfile
+from scratchlm.device.rates import INT8_TOKENS
 from scratchlm.errors import ScratchlmError
 from scratchlm.precisions import PRECISIONS
 
@@ -220,6 +221,39 @@ def choose_matvec(profile: DeviceProfile, precision: str) -> Choice:
     way = fastest if rates[fastest] >= MATVEC_GAIN * rates["rows"] else "rows"
     measured = ", ".join(f"{name} {rate:g}" for name, rate in rates.items())
     return Choice(way, f"a token times a {precision} matrix, GB/s: {measured}", measured=True)
+
+
+def choose_int8_matmul(profile: DeviceProfile, precision: str) -> Choice:
+    """How an eager product by an int8 matrix (`--quantize int8`) runs with activations at `precision`:
+    "pack", PyTorch's kernel `aten._weight_int8pack_mm`, where it ran, gave the dequantized product and was
+    no slower than the dequantized product at every size measured (`rates.INT8_TOKENS`: one token and a batch
+    of them both run eagerly); else "dequantize", the weight converted to the activations' dtype inside the
+    product, which runs everywhere. The kernel is not the faster everywhere: on a 2-core Zen 3 EPYC (AVX2) it
+    took 1.7 ms for one float32 token through a 2688 x 512 matrix, against 0.40 ms dequantized, while it took a
+    bf16 token through a 1024 x 512 matrix 5x faster than the dequantized product. Both ways give the same
+    product to rounding."""
+    rates = profile.int8_gbps.get(precision)
+    if not rates:
+        where = "" if profile.type == "cpu" else f" (measured on a CPU only, not a {profile.type})"
+        return Choice("dequantize", f"no int8 rates measured at {precision}{where}: the dequantized product")
+    sizes = [
+        (tokens, rates.get(f"pack_{tokens}", 0.0), rates.get(f"dequantize_{tokens}", 0.0))
+        for tokens in INT8_TOKENS
+    ]
+    if not any(packed > 0 for _, packed, _ in sizes):
+        return Choice(
+            "dequantize", f"aten._weight_int8pack_mm does not run for {precision} here", measured=True
+        )
+    pack = all(packed >= dequantized for _, packed, dequantized in sizes)
+    measured = "; ".join(
+        f"{tokens} token{'' if tokens == 1 else 's'}: pack {packed:g}, dequantize {dequantized:g}"
+        for tokens, packed, dequantized in sizes
+    )
+    return Choice(
+        "pack" if pack else "dequantize",
+        f"int8 weights times {precision} activations, GB/s: {measured}",
+        measured=True,
+    )
 
 
 # Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets. fp16 and

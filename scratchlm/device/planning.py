@@ -15,17 +15,19 @@ code that runs the model needs to know:
                    one-token steps without oneDNN): whichever way measured fastest here
     decode         whether inference may compile its one-token decode steps (`scratchlm.generation.decode`),
                    which it then does per model shape where they measured faster and pay for compiling
+    int8_matmul    how an eager product by an int8 matrix runs (`--quantize int8`): PyTorch's kernel
+                   ("pack") where it measured no slower here, else the weight dequantized into the product
 
 The plan holds facts and choices only, and this package imports nothing from the model or above it. What
 applies them to a model sits above both: inference's layout (weights held in `dtype`, in eval mode, stacks
-fused, `matvec`'s way) is `scratchlm.generation.layout.prepare_for_inference(model, plan)`, and training's
-parallelism is `scratchlm.parallel`.
+fused, `matvec`'s way and `int8_matmul`'s) is `scratchlm.generation.layout.prepare_for_inference(model,
+plan)`, and training's parallelism is `scratchlm.parallel`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from scratchlm.device.choices import (
     choose_compile,
     choose_decode,
     choose_fused_loss,
+    choose_int8_matmul,
     choose_matvec,
     choose_peak_flops,
     choose_threads,
@@ -57,6 +60,7 @@ class Plan:
     peak_flops: Choice  # FLOP/s, or None where unknown
     matvec: Choice  # one of `MATVEC_WAYS`: how inference runs a token times a weight matrix
     decode: Choice  # bool: compiled decode steps allowed (where they measure faster)
+    int8_matmul: Choice  # "pack" | "dequantize": how an eager product by an int8 matrix runs
     warnings: tuple[str, ...] = ()
 
     @property
@@ -87,7 +91,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """What a run records and `scratchlm doctor --json` prints."""
-        choices = ("precision", "threads", "compile", "fused_loss", "peak_flops", "matvec", "decode")
+        choices = [f.name for f in fields(self) if isinstance(getattr(self, f.name), Choice)]
         return {
             "device": self.device,
             "profile": self.profile.to_dict(),
@@ -135,5 +139,6 @@ def plan(
         choose_peak_flops(profile, precision_choice.value, peak_tflops),
         choose_matvec(profile, precision_choice.value),
         choose_decode(compile_decode, device),
+        choose_int8_matmul(profile, precision_choice.value),
         tuple(warnings),
     )

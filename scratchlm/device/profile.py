@@ -2,7 +2,8 @@
 
     DeviceProfile    the device's name and capabilities (`scratchlm.device.host`) and its measured rates
                      (`scratchlm.device.rates`): matmul GFLOP/s in each precision, memory bandwidth in GB/s,
-                     how fast a token times a weight matrix runs each way it can; and how it was measured
+                     how fast a token times a weight matrix runs each way it can, and an int8 matrix each
+                     way it can (`--quantize int8`); and how it was measured
                      (when, with how many threads, in how many trials, how busy the cores were)
     device_profile   the profile of a device: from this process's memory, else the machine's cache, else
                      measured now and cached
@@ -53,8 +54,9 @@ from scratchlm.io import atomic_write
 
 MAX_AGE_DAYS = 7  # a cached profile older than this is measured again
 LOCK_WAIT_SECONDS = 120.0  # how long a process waits for another one's measurement before measuring itself
-# 2: fp16 is measured on CPUs too; 3: matrix-vector rates by weight layout; 4: how the profile was measured
-CACHE_VERSION = 4
+# 2: fp16 is measured on CPUs too; 3: matrix-vector rates by weight layout; 4: how the profile was measured;
+# 5: int8 products each way
+CACHE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class DeviceProfile:
     memory_gbps: float = 0.0  # measured copy bandwidth (read + write)
     # dtype name -> {way: GB/s}: a token times wide matrices, each of the `MATVEC_WAYS`
     matvec_gbps: dict[str, dict[str, float]] = field(default_factory=dict)
+    # dtype name -> {"{way}_{tokens}": GB/s}: a few tokens times an int8 matrix, each of the `INT8_WAYS`
+    int8_gbps: dict[str, dict[str, float]] = field(default_factory=dict)
     gpu_memory_gib: float | None = None
     compute_capability: str | None = None  # CUDA: "9.0"
     torch_version: str = torch.__version__
@@ -226,8 +230,8 @@ def _measure_and_cache(device: torch.device, path: Path) -> DeviceProfile:
     """Measure the device, saying so (it takes seconds); cache the profile unless it is provisional."""
     threads = torch.get_num_threads()
     console.print(
-        f"measuring {device} with {threads} thread{'' if threads == 1 else 's'}: matmuls, memory and "
-        "matrix-vector products in each precision (a few seconds; cached for later commands)"
+        f"measuring {device} with {threads} thread{'' if threads == 1 else 's'}: matmuls, memory, "
+        "matrix-vector and int8 products in each precision (a few seconds; cached for later commands)"
     )
     profile = measure(device)
     if profile.provisional:

@@ -1,9 +1,10 @@
-"""What the device does, measured: the matmul, bandwidth and matrix-vector rates scratchlm's choices of
+"""What the device does, measured: the matmul, bandwidth, matrix-vector and int8 rates scratchlm's choices of
 precision and inference layout rest on, and how a measurement guards against other work.
 
     matmul_gflops    a square matmul's rate in a dtype, GFLOP/s (2 n³ FLOPs a product)
     memory_gbps      a large copy's bandwidth, GB/s read plus written
     matvec_gbps      one token times wide weight matrices, each of the `MATVEC_WAYS`, GB/s of weights read
+    int8_gbps        a few tokens times an int8 matrix, each of the `INT8_WAYS`, GB/s of int8 weights read
     measure_rates    all of them, in trials, as `Rates`: what `scratchlm.device.profile` caches
     spot_check       a quick product that proves a cached rate was measured too slow
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,17 +156,95 @@ def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int | N
     return count * d_out * d_in * dtype.itemsize * passes / elapsed / 1e9
 
 
-def _one_trial(device: torch.device) -> tuple[dict[str, float], dict[str, dict[str, float]], float]:
-    """One trial of every rate: matmul GFLOP/s and matrix-vector GB/s per dtype, and the memory bandwidth."""
+# The ways an int8 matrix with one scale a row (`--quantize int8`, `scratchlm.generation.quantize`) multiplies
+# activations eagerly (`DeviceProfile.int8_gbps`, `choices.choose_int8_matmul`): PyTorch's kernel
+# `aten._weight_int8pack_mm`, or the weight dequantized into the activations' dtype and multiplied by the BLAS.
+INT8_WAYS = ("pack", "dequantize")
+# The products timed: one token (a decode step), and 16 (a batched step, a short prefill).
+INT8_TOKENS = (1, 16)
+INT8_REPEATS = 5  # each product's time is the best of this many, after a first call
+
+
+def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Measured rates of activations in `dtype` times an int8 (1024, 512) matrix with a scale a row, each of
+    the `INT8_WAYS` at each of `INT8_TOKENS`, in GB/s of int8 weights read, keyed `"{way}_{tokens}"`
+    ("pack_1", "dequantize_16", ...); each the best of `INT8_REPEATS`. "pack" is 0.0 where the kernel is
+    missing, refuses `dtype`, or gives something other than the dequantized product (within 2 % of its
+    largest output). Measured on a CPU only: {} on another device, where inference keeps the dequantized
+    product. The matrix fits a CPU's caches (0.5 MiB): both ways read the same bytes, and what is compared is
+    how fast each turns them into the product."""
+    if device.type != "cpu":
+        return {}
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (1024, 512), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(1024, generator=generator) / 100).to(dtype)
+    rates: dict[str, float] = {}
+    for tokens in INT8_TOKENS:
+        x = torch.randn(tokens, 512, generator=generator).to(dtype)
+        reference = (x.float() @ weight.float().T) * scale.float()
+        with torch.no_grad():
+            seconds = _best_seconds(lambda x=x: (x @ weight.to(dtype).T) * scale)
+            rates[f"dequantize_{tokens}"] = weight.numel() / seconds / 1e9
+            rates[f"pack_{tokens}"] = 0.0
+            try:
+                y = torch.ops.aten._weight_int8pack_mm(x, weight, scale).float()
+            except (AttributeError, RuntimeError, NotImplementedError):  # no kernel, or none for `dtype`
+                continue
+            if not torch.allclose(y, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max())):
+                continue
+            seconds = _best_seconds(lambda x=x: torch.ops.aten._weight_int8pack_mm(x, weight, scale))
+            rates[f"pack_{tokens}"] = weight.numel() / seconds / 1e9
+    return rates
+
+
+def _best_seconds(run: Callable[[], object]) -> float:
+    """The shortest of `INT8_REPEATS` runs of `run`, after one that sets it up: other work only slows a run."""
+    run()
+    best = math.inf
+    for _ in range(INT8_REPEATS):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+@dataclass(frozen=True)
+class _Trial:
+    """One trial of every rate (`Rates`' fields of these names)."""
+
+    matmul_gflops: dict[str, float]
+    memory_gbps: float
+    matvec_gbps: dict[str, dict[str, float]]
+    int8_gbps: dict[str, dict[str, float]]
+
+
+def _one_trial(device: torch.device) -> _Trial:
+    """One trial of every rate: matmul GFLOP/s, matrix-vector and int8 GB/s per dtype, and the bandwidth."""
     rates: dict[str, float] = {}
     layouts: dict[str, dict[str, float]] = {}
+    int8: dict[str, dict[str, float]] = {}
     for name, dtype in DTYPES.items():
         try:
             rates[name] = matmul_gflops(device, dtype)
             layouts[name] = {way: matvec_gbps(device, dtype, way) for way in MATVEC_WAYS}
+            if found := int8_gbps(device, dtype):
+                int8[name] = found
         except (RuntimeError, TypeError):  # a dtype the device does not multiply at all
             rates[name] = 0.0
-    return rates, layouts, memory_gbps(device)
+    return _Trial(rates, memory_gbps(device), layouts, int8)
+
+
+def _keep_best(best: dict[str, dict[str, float]], trial: dict[str, dict[str, float]]) -> None:
+    """Each rate of `trial` into `best` (dtype name -> {what: rate}) where it is higher."""
+    for name, found in trial.items():
+        kept = best.setdefault(name, {})
+        for what, rate in found.items():
+            kept[what] = max(kept.get(what, 0.0), rate)
+
+
+def _significant(rate: float, digits: int = 3) -> float:
+    """`rate` to `digits` significant digits: int8 rates span 0.05 to 50 GB/s, and are compared."""
+    return float(f"{rate:.{digits}g}")
 
 
 def contradicts_flags(native_bf16: bool, rates: dict[str, float]) -> bool:
@@ -185,6 +265,7 @@ class Rates:
     matmul_gflops: dict[str, float]  # dtype name -> GFLOP/s
     memory_gbps: float
     matvec_gbps: dict[str, dict[str, float]]  # dtype name -> {way: GB/s}
+    int8_gbps: dict[str, dict[str, float]]  # dtype name -> {"{way}_{tokens}": GB/s}; {} off a CPU
     threads: int  # torch's intra-op threads during the measurement
     trials: int
     busy: float  # cores other processes kept busy during the quietest trial
@@ -203,19 +284,18 @@ def measure_rates(
     threads, cores = torch.get_num_threads(), usable_cores()
     rates: dict[str, float] = {}
     layouts: dict[str, dict[str, float]] = {}
+    int8: dict[str, dict[str, float]] = {}
     bandwidth, loads = 0.0, []
     while True:
         watch = LoadWatch()
-        trial_rates, trial_layouts, trial_bandwidth = _one_trial(device)
+        trial = _one_trial(device)
         loads.append(watch.load())
         # The best of the trials: other work only slows a trial down.
-        for name, rate in trial_rates.items():
+        for name, rate in trial.matmul_gflops.items():
             rates[name] = max(rates.get(name, 0.0), rate)
-        for name, ways in trial_layouts.items():
-            best = layouts.setdefault(name, {})
-            for way, rate in ways.items():
-                best[way] = max(best.get(way, 0.0), rate)
-        bandwidth = max(bandwidth, trial_bandwidth)
+        _keep_best(layouts, trial.matvec_gbps)
+        _keep_best(int8, trial.int8_gbps)
+        bandwidth = max(bandwidth, trial.memory_gbps)
         # Another process's CPU work does not slow an accelerator's kernels.
         quiet = device.type != "cpu" or any(quiet_enough(load, threads, cores) for load in loads)
         settled = quiet and not contradicts_flags(native_bf16, rates)
@@ -227,6 +307,9 @@ def measure_rates(
         memory_gbps=round(bandwidth, 1),
         matvec_gbps={
             name: {way: round(rate, 1) for way, rate in ways.items()} for name, ways in layouts.items()
+        },
+        int8_gbps={
+            name: {what: _significant(rate) for what, rate in found.items()} for name, found in int8.items()
         },
         threads=threads,
         trials=len(loads),

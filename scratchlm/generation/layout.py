@@ -37,7 +37,8 @@ def prepare_for_inference(model: nn.Module, plan: Plan, quantize: str | None = N
     stacked into one (`LinearStack`), `plan.matvec`'s way applied, and compiled decode steps allowed as
     `plan.decode` says (`scratchlm.generation.decode`), in place; returned for chaining. With `quantize`
     ("int8"), the matrices are held in it (`quantize_weights`), quantized from the weights as loaded, before
-    the cast. On a CPU, freed memory is kept for the next step from then on."""
+    the cast, and multiplied eagerly the way `plan.int8_matmul` says. On a CPU, freed memory is kept for the
+    next step from then on."""
     check_scheme(quantize)
     if torch.device(plan.device).type == "cpu":
         keep_freed_memory()
@@ -47,7 +48,11 @@ def prepare_for_inference(model: nn.Module, plan: Plan, quantize: str | None = N
     for parameter in model.parameters():
         if parameter.is_floating_point() and parameter.dtype != plan.dtype:
             parameter.data = parameter.data.to(plan.dtype)
-    lay_out_for_inference(model, wide_by_columns=plan.matvec.value == "columns")
+    lay_out_for_inference(
+        model,
+        wide_by_columns=plan.matvec.value == "columns",
+        int8_pack=plan.int8_matmul.value == "pack",
+    )
     if isinstance(model, TransformerLM):
         model.one_token_without_onednn = plan.matvec.value == "rows_no_onednn"
         model.compiled_decode = bool(plan.decode.value)

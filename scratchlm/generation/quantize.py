@@ -30,8 +30,9 @@ import torch
 from jaxtyping import Float, Int8
 from torch import Tensor, nn
 
+from scratchlm.device.planning import Plan
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.layers import Embedding, Linear, int8_kernel
+from scratchlm.model.layers import Embedding, Linear
 
 # The schemes `--quantize` takes (`scratchlm.cli.options`); None: the plan's precision throughout.
 QUANTIZE_SCHEMES = ("int8",)
@@ -95,8 +96,6 @@ def quantize_weights(
             linear.weight.requires_grad_(False)
             linear.weight.data = q
         linear.weight_scale = scale.to(dtype=dtype, device=q.device)
-    device = linears[0].weight.device
-    int8_kernel(dtype, device)  # probed now, never while a compiled step is traced
     return model
 
 
@@ -113,15 +112,15 @@ def weight_bytes(model: nn.Module, held_in: torch.dtype | None = None) -> int:
     return total
 
 
-def describe(scheme: str | None, dtype: torch.dtype, device: torch.device) -> str:
-    """What `--quantize scheme` does on `device` with activations in `dtype`: the line a command prints and
-    `scratchlm doctor` shows."""
-    precision = str(dtype).removeprefix("torch.")
+def describe(scheme: str | None, plan: Plan) -> str:
+    """What `--quantize scheme` does under `plan` (its device, its activations' dtype, and how it runs an eager
+    int8 product, `Plan.int8_matmul`): the line a command prints and `scratchlm doctor` shows."""
+    precision = str(plan.dtype).removeprefix("torch.")
     if scheme is None:
         return f"off: every weight in {precision} (--quantize int8: the matrices in int8, a quarter of fp32's bytes)"
     kernel = (
         "aten._weight_int8pack_mm"
-        if int8_kernel(dtype, device)
+        if plan.int8_matmul.value == "pack"
         else "the weight dequantized into the product"
     )
     return (

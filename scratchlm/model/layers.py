@@ -21,8 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from jaxtyping import Float, Int
@@ -61,10 +60,13 @@ class Linear(nn.Module):
         # output row, `W ≈ weight * weight_scale[:, None]`. A buffer, so that a compiled step takes it as an
         # input; not persistent, so that the state dict keeps its keys.
         self.register_buffer("weight_scale", None, persistent=False)
+        # Whether the int8 product runs on PyTorch's kernel eagerly (`int8_matmul`): `Plan.int8_matmul`'s
+        # choice, set by the inference layout (`lay_out_for_inference`).
+        self.int8_pack = False
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if self.weight_scale is not None:
-            return int8_matmul(x, self.weight, self.weight_scale)
+            return int8_matmul(x, self.weight, self.weight_scale, self.int8_pack)
         if tracing_cpu_step(x):
             # A compiled decode step on a CPU (`scratchlm.generation.decode`) reads W by rows (a copy where
             # `weight` is held by columns, `hold_rows_for_decoding`); measured on a 2-core Zen 3 EPYC with
@@ -138,6 +140,7 @@ class LinearStack:
         self.linears = linears
         self.weight: Tensor | None = None
         self.scale: Tensor | None = None  # the rows' int8 scales, where the `Linear`s hold int8
+        self.int8_pack = False  # as `Linear.int8_pack`, for the stack's product
         self._addresses: list[int] = []
 
     def fuse(self, wide_by_columns: bool = False) -> None:
@@ -161,7 +164,10 @@ class LinearStack:
         # the calls: the stack saves nothing there, and its address check cannot be traced.
         if self.weight is not None and not torch.is_grad_enabled() and not in_compiled_step():
             if [linear.weight.data_ptr() for linear in self.linears] == self._addresses:
-                y = x @ self.weight.T if self.scale is None else int8_matmul(x, self.weight, self.scale)
+                if self.scale is None:
+                    y = x @ self.weight.T
+                else:
+                    y = int8_matmul(x, self.weight, self.scale, self.int8_pack)
                 return y.split([linear.out_features for linear in self.linears], dim=-1)
             self.weight = None  # a weight has left the stack: free it
         return tuple(linear(x) for linear in self.linears)
@@ -178,32 +184,42 @@ def by_columns(matrix: Float[Tensor, "out d_in"]) -> Float[Tensor, "out d_in"]:
     return matrix.T.contiguous().T
 
 
-def lay_out_for_inference(model: nn.Module, wide_by_columns: bool) -> None:
+def lay_out_for_inference(model: nn.Module, wide_by_columns: bool, int8_pack: bool = False) -> None:
     """Inference's layout of `model`'s weights (`prepare_for_inference`): every `LinearStack` fused, and, with
     `wide_by_columns` (`Plan.matvec` "columns"), every wide matrix held by columns: the stacks and the `Linear`s
-    of no stack (the LM head); without it, by rows. Values are unchanged; only where they lie in memory."""
+    of no stack (the LM head); without it, by rows. Values are unchanged; only where they lie in memory. Every
+    `Linear` and stack takes `int8_pack` (`Plan.int8_matmul` "pack"), which its int8 products, if any, follow
+    eagerly (`int8_matmul`)."""
     stacked = set()
     for module in model.modules():
         for stack in [value for value in vars(module).values() if isinstance(value, LinearStack)]:
             stack.fuse(wide_by_columns)
+            stack.int8_pack = int8_pack
             stacked.update(id(linear) for linear in stack.linears)
     for module in model.modules():
-        if isinstance(module, Linear) and id(module) not in stacked and is_wide(module.weight):
+        if not isinstance(module, Linear):
+            continue
+        module.int8_pack = int8_pack
+        if id(module) not in stacked and is_wide(module.weight):
             weight = module.weight.data
             by_cols = wide_by_columns and module.weight_scale is None  # int8 is read by rows
             module.weight.data = by_columns(weight) if by_cols else weight.contiguous()
 
 
 def int8_matmul(
-    x: Float[Tensor, "... d_in"], weight: Int[Tensor, "out d_in"], scale: Float[Tensor, " out"]
+    x: Float[Tensor, "... d_in"],
+    weight: Int[Tensor, "out d_in"],
+    scale: Float[Tensor, " out"],
+    pack: bool = False,
 ) -> Float[Tensor, "... out"]:
     """`x @ (weight * scale[:, None]).T` for an int8 `weight` with one scale per output row (weight-only int8,
     `scratchlm.generation.quantize`), in `x`'s dtype, without a float copy of the weight where it can be
     helped: the scale factors out of each row's dot product, `y_j = scale_j · Σ_i x_i weight_ji`.
 
-    Eagerly, PyTorch's own kernel `aten._weight_int8pack_mm` where it runs for `x`'s dtype (`int8_kernel`);
-    else the weight dequantized into the product. In a compiled decode step on a CPU, the forms of
-    `Linear.forward` with the int8 rows converted in the loop: Inductor reads each int8 row once and converts
+    Eagerly, with `pack`, PyTorch's own kernel `aten._weight_int8pack_mm`; without it, the weight dequantized
+    into the product. Which is faster depends on the CPU and the dtype, so the device plan measures both and
+    chooses (`Plan.int8_matmul`), and the layout hands the choice to each layer (`Linear.int8_pack`). In a
+    compiled decode step on a CPU, the forms of `Linear.forward` with the int8 rows converted in the loop: Inductor reads each int8 row once and converts
     it in registers. (Measured on a 2-core Zen 3 EPYC, AVX2, 2688 x 512, one token: that loop 1.9 ms against
     0.18 for float32's, its int8 loads going 8 at a time through a slow conversion; so on such a CPU int8
     saves memory, not time, until the loop is written better.)"""
@@ -212,60 +228,11 @@ def int8_matmul(
         # in the generated loop.
         return ((x.unsqueeze(-2) * weight).sum(-1) * scale).to(x.dtype)
     tokens = x.reshape(-1, x.shape[-1])
-    if int8_kernel(x.dtype, x.device):
+    if pack:
         y = torch.ops.aten._weight_int8pack_mm(tokens.contiguous(), weight, scale.to(x.dtype))
     else:
         y = (tokens @ weight.to(x.dtype).T) * scale.to(x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-_INT8_KERNEL: dict[tuple[torch.dtype, str], bool] = {}
-
-
-def int8_kernel(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `aten._weight_int8pack_mm` is the eager int8 product for activations of `dtype` on `device`:
-    it exists, gives the dequantized product on a small case, and runs faster than the weight dequantized into
-    the product (timed on one token and on 16, a few milliseconds). It is no faster everywhere: on a 2-core
-    Zen 3 EPYC (AVX2) it took 1.7 ms for one token through a 2688 x 512 matrix, against 0.40 ms for the
-    dequantized product and 0.14 for float32's. Probed once a dtype and device type."""
-    key = (dtype, device.type)
-    if key not in _INT8_KERNEL:
-        _INT8_KERNEL[key] = _probe_int8_kernel(dtype, device)
-    return _INT8_KERNEL[key]
-
-
-def _probe_int8_kernel(dtype: torch.dtype, device: torch.device) -> bool:
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm") or device.type != "cpu":
-        return False
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randint(-127, 128, (1024, 512), generator=generator, dtype=torch.int8)
-    scale = (torch.rand(1024, generator=generator) / 100).to(dtype)
-    for rows in (1, 16):
-        x = torch.randn(rows, 512, generator=generator).to(dtype)
-        try:
-            with torch.no_grad():
-                kernel = _best_seconds(lambda x=x: torch.ops.aten._weight_int8pack_mm(x, weight, scale))
-                y = torch.ops.aten._weight_int8pack_mm(x, weight, scale).float()
-        except (RuntimeError, NotImplementedError):
-            return False
-        reference = (x.float() @ weight.float().T) * scale.float()
-        if not torch.allclose(y, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max())):
-            return False
-        with torch.no_grad():
-            dequantized = _best_seconds(lambda x=x: (x @ weight.to(dtype).T) * scale)
-        if kernel > dequantized:
-            return False
-    return True
-
-
-def _best_seconds(run: Callable[[], object], repeats: int = 5) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def hold_rows_for_decoding(model: nn.Module) -> None:
