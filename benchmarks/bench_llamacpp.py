@@ -22,6 +22,11 @@ is, and is printed apart). Rows:
   different roundings of the weights, part);
 - int8 against scratchlm's own fp32, row by row, and the bytes of the weights each holds.
 
+`--shape deep` takes a small downloaded chat model's shape instead (30 layers, d_model 576, 9 heads over 3
+key/value heads, d_ff 1,536, vocabulary 49,152, a tied head, 8,192 positions: about 135M parameters), where the
+keys and values a token reads grow with the conversation; `--prompt-tokens` sets the prompt's length (a chat's
+100 to 1,000), `--decoding greedy` leaves out the sampled rows.
+
 The serving engine's throughput at 16 concurrent sequences, eager against compiled, is
 `benchmarks/bench_serve.py`'s.
 
@@ -31,6 +36,8 @@ from source with CMake (about 8 minutes on 2 cores).
     python benchmarks/bench_llamacpp.py
     python benchmarks/bench_llamacpp.py --tokens 120 --repeats 2 --threads 2
     python benchmarks/bench_llamacpp.py --tokens 120 --repeats 2 --precisions fp32 int8
+    python benchmarks/bench_llamacpp.py --shape deep --prompt-tokens 200 --tokens 128 --threads 2 \
+        --decoding greedy --precisions fp32
 """
 
 from __future__ import annotations
@@ -62,6 +69,21 @@ MISSING = (
     "CMake, in about 8 minutes on 2 cores"
 )
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
+SHAPES = {
+    "tinystories": ModelConfig(
+        vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344
+    ),
+    "deep": ModelConfig(
+        vocab_size=49_152,
+        context_length=8_192,
+        d_model=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        d_ff=1_536,
+        tie_embeddings=True,
+    ),
+}
 # The rows' precisions: (scratchlm's name, the GGUF file's dtype, scratchlm's `--quantize`, the plan's precision).
 PRECISIONS = {
     "fp32": ("f32", None, "fp32"),
@@ -156,6 +178,11 @@ def main() -> None:
         default=list(PRECISIONS),
         help="the rows' precisions (default: all; bf16 only where the CPU computes it natively)",
     )
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="tinystories", help="the model's shape")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=4, help="the decoded prompt's length, random ids (default 4)"
+    )
+    parser.add_argument("--decoding", nargs="+", choices=("greedy", "sampled"), default=["greedy", "sampled"])
     parser.add_argument("--out", help="also write the rows as JSON to this file")
     args = parser.parse_args()
     try:
@@ -164,13 +191,15 @@ def main() -> None:
         print(f"skipped: {MISSING}")
         return
 
-    config = ModelConfig(
-        vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344
-    )
+    config = SHAPES[args.shape]
     torch.manual_seed(0)
     base = TransformerLM.from_config(config).eval()
     tokenizer = small_tokenizer()
     prompt = [11, 402, 77, 1203]
+    if args.prompt_tokens != len(prompt):
+        prompt = torch.randint(
+            0, config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(2)
+        ).tolist()
     long_prompt = torch.randint(
         0, config.vocab_size, (200,), generator=torch.Generator().manual_seed(1)
     ).tolist()
@@ -212,9 +241,9 @@ def main() -> None:
                     verbose=False,
                 )
                 start = time.perf_counter()
-                generate(model, prompt, 8, temperature=0, compile=True)  # compiles at this thread count
+                generate(model, prompt, args.tokens, temperature=0, compile=True)  # compiles its window here
                 compile_s = time.perf_counter() - start
-                for sampled in (False, True):
+                for sampled in [way == "sampled" for way in args.decoding]:
                     eager, eager_ids = scratchlm_tokens_per_s(
                         model, prompt, args.tokens, sampled, False, args.repeats
                     )
@@ -240,16 +269,15 @@ def main() -> None:
                             "compile_s": compile_s,
                         }
                     )
-                rows[-1]["prefill_scratchlm"] = rows[-2]["prefill_scratchlm"] = scratchlm_prefill(
-                    model, long_prompt, args.repeats
-                )
-                rows[-1]["prefill_llama_cpp"] = rows[-2]["prefill_llama_cpp"] = llama_prefill(
-                    llm, long_prompt, args.repeats
-                )
+                prefill = scratchlm_prefill(model, long_prompt, args.repeats)
+                theirs_prefill = llama_prefill(llm, long_prompt, args.repeats)
+                for row in rows[-len(args.decoding) :]:
+                    row["prefill_scratchlm"], row["prefill_llama_cpp"] = prefill, theirs_prefill
                 del llm
 
     print(
-        f"\nbatch 1, {args.tokens} tokens after a 4-token prompt, best of {args.repeats}; tokens/s "
+        f"\n{args.shape} shape, batch 1, {args.tokens} tokens after a {len(prompt)}-token prompt, best of "
+        f"{args.repeats}; tokens/s "
         "(the share of the memory bandwidth the weights' bytes a token reach)\n"
     )
     print(
@@ -264,7 +292,8 @@ def main() -> None:
             f"| {r['llama_cpp']:,.0f} ({r['llama_cpp_bandwidth_share']:.0%}) | **{r['ratio']:.2f}×** "
             f"| {r['prefill_scratchlm']:,.0f} / {r['prefill_llama_cpp']:,.0f} |"
         )
-    compiles = ", ".join(f"{r['precision']} {r['threads']}t {r['compile_s']:.0f} s" for r in rows[::2])
+    per_row = len(args.decoding)
+    compiles = ", ".join(f"{r['precision']} {r['threads']}t {r['compile_s']:.0f} s" for r in rows[::per_row])
     print(f"\ncompiling the decode step (once per process, thread count and precision): {compiles}")
     for precision, note in agreement.items():
         ggml = PRECISIONS[precision][0]

@@ -47,7 +47,6 @@ class Running:
         self.eos_id = self.tokenizer.token_id(END_OF_TEXT)
         engine_options.setdefault("stop_ids", end_ids(self.tokenizer))
         self.engine = Engine(self.model, self.eos_id, **engine_options)
-        self.engine.batch.warm_up()  # compiles the decode step where `compiled=True`, as `scratchlm serve` does
         self.engine.start()
         self.server = build_server(self.engine, self.tokenizer, name, port=0, api_key=api_key)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -108,11 +107,10 @@ def request(
         connection.close()
 
 
-def serve_command(run_dir: Path, *options: str) -> tuple[subprocess.Popen, str]:
+def serve_command(run_dir: Path, *options: str, compile: bool = False) -> tuple[subprocess.Popen, str]:
     """`scratchlm serve --run RUN_DIR --port P --no-compile *options` started as a process, once it answers
-    `/info`: the process (stdout and stderr together, as text) and its URL. The caller stops it. Without
-    compiling its decode step, which would take the server a minute to start here (the compiled engine is
-    tested in-process, `test_a_compiled_engine_gives_the_tokens_of_an_eager_one`)."""
+    `/info`: the process (stdout and stderr together, as text) and its URL. The caller stops it. `compile`:
+    without `--no-compile` (the plan's choice: the decode steps compile in the background)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     command = [
@@ -124,7 +122,7 @@ def serve_command(run_dir: Path, *options: str) -> tuple[subprocess.Popen, str]:
         str(run_dir),
         "--port",
         str(port),
-        "--no-compile",
+        *([] if compile else ["--no-compile"]),
         *options,
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -14,7 +14,6 @@ from scratchlm.device import decode_timings
 from scratchlm.device.decode_timings import ASSUMED, DecodeTimings, worth_compiling
 from scratchlm.device.planning import plan
 from scratchlm.generation import compile_policy, decode
-from scratchlm.generation.compile_policy import measure_decoder
 from scratchlm.generation.decode import Decoder, bucket, window_buckets
 from scratchlm.generation.generate import generate, generate_stream
 from scratchlm.generation.layout import prepare_for_inference
@@ -116,14 +115,14 @@ def test_compiled_sampling_follows_the_seed_and_stops_at_eos():
 
 def test_a_short_generation_never_compiles(monkeypatch):
     """With the plan's consent (`compiled_decode`) but no measured timings, a few tokens are not worth a
-    compilation: it is never started (on a CPU a step compiles through `compile_on_cpu`, refused here)."""
+    compilation: it is never started (on a CPU a step compiles through `compile_traced`, refused here)."""
     model = small_model()
     model.compiled_decode = True
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled")
 
-    monkeypatch.setattr(decode, "compile_on_cpu", refuse)
+    monkeypatch.setattr(decode, "compile_traced", refuse)
     assert generate(model, [1, 2, 3], 20, temperature=0) == generate(
         model, [1, 2, 3], 20, temperature=0, compile=False
     )
@@ -157,22 +156,10 @@ def test_a_measured_generation_records_its_timings_and_the_next_one_uses_them(mo
     assert timings.eager_ms > 0 and timings.compiled_ms > 0
 
 
-def test_the_server_measures_each_bucket_and_keeps_the_faster_way():
-    model = small_model()
-    decoder = Decoder(model, 4, compiled=True)
-    decoder.cache.store(0, _prefilled(model, 5))
-    before = decoder.cache.layers[0].keys.clone()
-    timings = measure_decoder(decoder, 2)
-    assert timings.compile_s > 0 and timings.eager_ms > 0 and timings.compiled_ms > 0
-    assert decoder.cache.lengths[0] == 5 and torch.equal(decoder.cache.layers[0].keys, before)
-    assert decoder.is_compiled_for(2) and not decoder.is_compiled_for(3)
-    assert (2 in decoder.eager_buckets) == (timings.speedup < decode_timings.MIN_GAIN)
-
-
-def _prefilled(model: TransformerLM, length: int):
+def _prefilled(model: TransformerLM, length: int, seed: int = 1):
     cache = model.new_kv_cache(1)
     with torch.no_grad():
-        model(prompts(1, length), kv_cache=cache)
+        model(prompts(1, length, seed), kv_cache=cache)
     return cache
 
 
@@ -256,15 +243,47 @@ def test_a_step_is_compiled_again_for_another_thread_count():
     assert set(compile_policy._DECODERS[model][1]._steps) == {(1, window, 1), (1, window, 2)}
 
 
-def test_windows_are_bucketed_where_the_rows_keys_and_values_weigh_a_quarter_of_the_weights():
+def test_windows_follow_the_lengths_where_the_rows_keys_and_values_weigh_a_quarter_of_the_weights():
     """By hand: the TinyStories shape holds 17,576,448 weights past the embedding, 70.3 MB in fp32; a row's
-    keys and values over the context are 4 layers x 2 x 256 positions x 512 x 4 bytes = 4.19 MB. Four rows
-    (16.8 MB) stay under a quarter of the weights (17.6 MB), eight (33.6 MB) do not."""
+    keys and values take 4 layers x 2 x 512 x 4 bytes = 16,384 bytes a position, 4.19 MB over the context.
+    Four rows (16.8 MB) stay under a quarter of the weights (17.6 MB), eight (33.6 MB) do not. The smallest
+    window is the largest power of two whose keys and values weigh at most a sixteenth of the weights
+    (4,394,112 bytes): 4,394,112 / (8 x 16,384) = 33.5 positions for eight rows, so 32; 16.8 for sixteen, so
+    16. From there the windows double up to the context."""
     model = TransformerLM.from_config(ModelConfig())
     assert model.num_parameters(non_embedding=True) == 17_576_448
-    assert [window_buckets(model, rows) for rows in (1, 4, 8, 16)] == [[256], [256], [64, 128, 256]] + [
-        [64, 128, 256]
+    assert [window_buckets(model, rows) for rows in (1, 4, 8, 16)] == [
+        [256],
+        [256],
+        [32, 64, 128, 256],
+        [16, 32, 64, 128, 256],
     ]
+
+
+def test_a_long_context_gets_windows_up_to_it_and_a_context_of_any_length_ends_them():
+    """A 30-layer model of 576 wide, 3 key/value heads of 64, 8,192 positions, a tied head (a small downloaded
+    chat model's shape): a layer holds, by hand, 2 x 576^2 + 2 x 576 x 192 = 884,736 attention + 2,654,208
+    SwiGLU + 1,152 norm weights; 30 of them, the final norm and the head a step reads (the tied embedding,
+    28,311,552) make 134,515,008 weights, 538.1 MB in fp32. One row's keys and values take 30 x 2 x 3 x 64 x 4
+    = 46,080 bytes a position, 377 MB over the context, more than a quarter of the weights, so the windows
+    follow the lengths from the largest power of two under 33.63 MB / 46,080 = 730 positions: 512. Two rows:
+    under 365, so 256; a context that is not a power of two is the last window."""
+    config = ModelConfig(
+        vocab_size=49_152,
+        context_length=8_192,
+        d_model=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        d_ff=1_536,
+        tie_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = TransformerLM.from_config(config)
+        assert model.num_parameters(non_embedding=True) == 134_515_008
+        assert window_buckets(model, 1) == [512, 1024, 2048, 4096, 8192]
+        odd = TransformerLM.from_config(dataclasses.replace(config, context_length=3_000))
+        assert window_buckets(odd, 2) == [256, 512, 1024, 2048, 3000]
 
 
 def test_a_small_models_windows_are_whole_however_many_rows():
@@ -285,41 +304,36 @@ def windows_at_any_size(monkeypatch):
 
 
 @pytest.mark.usefixtures("windows_at_any_size")
-def test_a_bucketed_window_gives_the_eager_tokens_across_its_bounds():
-    """Three sequences whose lengths cross 16 and 32 positions: the step moves from a window of 16 positions
-    to 32 and 64, compiled at each, and gives the eager tokens; a generation of one row compiles the whole
-    window only."""
+def test_a_window_that_follows_the_lengths_gives_the_eager_tokens_across_its_bounds():
+    """Three sequences whose lengths cross 8, 16 and 32 positions: the compiled step moves to the next window
+    at each bound and gives the eager step's greedy tokens; a generation compiles only the window that holds
+    its whole length (`reach`)."""
     model = small_model(**LONG)
-    assert window_buckets(model, 1) == [64] and window_buckets(model, 4) == [16, 32, 64]
+    assert window_buckets(model, 1) == [64] and window_buckets(model, 4) == [4, 8, 16, 32, 64]
+    threads = torch.get_num_threads()
+    tokens = {}
+    for compiled in (False, True):
+        decoder = Decoder(model, 4, compiled=compiled)
+        for row, length in enumerate([6, 3, 5]):
+            decoder.cache.store(row, _prefilled(model, length, seed=row))
+        last = torch.tensor([1, 2, 3])
+        steps = []
+        with torch.no_grad():
+            for _ in range(40):
+                last = decoder.step(last).argmax(-1)
+                steps.append(last.tolist())
+        tokens[compiled] = steps
+    assert tokens[True] == tokens[False]
+    assert set(decoder._steps) == {(4, w, threads) for w in (8, 16, 32, 64)}
     batch = prompts(3, 5)
-    eager = generate(model, batch, 50, temperature=0, compile=False)
-    assert generate(model, batch, 50, temperature=0, compile=True) == eager
-    threads = torch.get_num_threads()
-    assert set(compile_policy._DECODERS[model][3]._steps) == {(3, w, threads) for w in (16, 32, 64)}
-    generate(model, batch[:1], 20, temperature=0, compile=True)
-    assert set(compile_policy._DECODERS[model][1]._steps) == {(1, 64, threads)}
-
-
-@pytest.mark.usefixtures("windows_at_any_size")
-def test_the_server_compiles_every_window_of_a_bucket_before_it_measures():
-    """Each window's compilation is said before and after, with the window (the whole context unnamed)."""
-    model = small_model(**LONG)
-    said: list[str] = []
-    decoder = Decoder(model, 4, compiled=True, announce=said.append)
-    assert not decoder.is_compiled_for(3)
-    measure_decoder(decoder, 3)
-    assert decoder.is_compiled_for(3) and decoder.is_compiled_for(4)
-    threads = torch.get_num_threads()
-    assert {key for key in decoder._steps if key[0] == 4} == {(4, w, threads) for w in (16, 32, 64)}
-    shapes = ["4 sequences, 16 positions", "4 sequences, 32 positions", "4 sequences"]
-    assert said[0::2] == [f"compiling the decode step for {shape}…" for shape in shapes]
-    assert [line.rsplit(" in ", 1)[0] for line in said[1::2]] == [
-        f"compiled the decode step for {shape}" for shape in shapes
-    ]
+    assert generate(model, batch, 20, temperature=0, compile=True) == generate(
+        model, batch, 20, temperature=0, compile=False
+    )
+    assert set(compile_policy._DECODERS[model][3]._steps) == {(3, 32, threads)}  # 5 + 19 positions
 
 
 def test_the_private_torch_apis_the_cpu_compiled_decode_uses_are_where_it_expects_them():
-    """`compile_on_cpu` rests on PyTorch APIs that are not public: `make_fx` (torch.fx.experimental.
+    """`compile_traced` rests on PyTorch APIs that are not public: `make_fx` (torch.fx.experimental.
     proxy_tensor) traces the step with `tracing_mode="real"`, Inductor's `standalone_compile` compiles the
     graph with `dynamic_shapes="from_example_inputs"`, and the decoder marks its tensors with
     `torch._dynamo.mark_static_address`. A torch upgrade that moves or changes one of them fails here, by

@@ -394,7 +394,7 @@ def test_cli_says_how_it_decodes_and_no_compile_keeps_it_eager(
     def refuse(*args, **kwargs):
         raise AssertionError("compiled")
 
-    monkeypatch.setattr(decode, "compile_on_cpu", refuse)  # what a CPU decode step compiles through
+    monkeypatch.setattr(decode, "compile_traced", refuse)  # what a CPU decode step compiles through
     _, _, checkpoint = trained_files
     argv = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "10", "--device", "cpu", *flag]
     assert main([*argv, "--precision", "fp32", "--prompt", "Un été"]) == 0

@@ -69,8 +69,20 @@ def test_compiled_decode_steps_replayed_as_cuda_graphs_give_the_eager_tokens():
         eager = generate(model, batch, 40, temperature=0, compile=False)
         compiled = generate(model, batch, 40, temperature=0, compile=True)
         assert compiled == eager
+    from scratchlm.generation.engine import Sequence, SequenceRequest
+    from scratchlm.generation.sampling import SamplingOptions
     from scratchlm.serving.engine import Engine
 
     engine = Engine(model, None, max_batch=4, compiled=True)
-    engine.batch.warm_up()
-    assert all(engine.batch.decoder.is_compiled_for(rows) for rows in (1, 2, 3, 4))
+    batch = engine.batch
+    assert not batch.decoder.background  # on a GPU a step compiles at its first call, in the serving thread
+    options = SamplingOptions(max_new_tokens=6, temperature=0.0)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4):
+            requests = [SequenceRequest(prompts[row, : 3 + row].tolist(), options) for row in range(rows)]
+            batch.advance(
+                [Sequence(r, options.generator(batch.device), lambda event: None) for r in requests]
+            )
+            while batch.active:
+                batch.advance([])
+    assert all(batch.decoder.is_compiled_for(rows) for rows in (1, 2, 3, 4))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html.parser
 import json
+import re
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ from serve_helpers import (  # noqa: E402
 )
 
 from scratchlm import Tokenizer  # noqa: E402
+from scratchlm.generation import on_demand  # noqa: E402
 from scratchlm.generation.sampling import SamplingOptions  # noqa: E402
 from scratchlm.model.config import ModelConfig  # noqa: E402
 from scratchlm.run.load import load_trained  # noqa: E402
@@ -156,13 +158,14 @@ def test_greedy_tokens_equal_generate_among_16_concurrent(server) -> None:
     idle_after(server.engine, 1.0)
 
 
-def test_a_compiled_engine_gives_the_tokens_of_an_eager_one(run_dir) -> None:
-    """Decode steps compiled at batch sizes 1 and 2 (the rows in use rounded up): six concurrent requests of
-    different lengths join and leave the batch, and each gets the tokens `generate` gives eagerly."""
-    compiled = Running(load_trained(run_dir), "tiny-run", max_batch=2, compiled=True)
+def test_a_compiled_engine_gives_the_tokens_of_an_eager_one(run_dir, monkeypatch) -> None:
+    """Decode steps compiled at batch sizes 1 and 2 (the rows in use rounded up) as the requests first need
+    them, and kept however they measure: six concurrent requests of different lengths join and leave the
+    batch, and each gets the tokens `generate` gives eagerly."""
+    monkeypatch.setattr(on_demand, "MIN_GAIN", 0.0)
+    compiled = Running(load_trained(run_dir), "tiny-run", max_batch=2, compiled=True, background=False)
     try:
         decoder = compiled.engine.batch.decoder
-        assert decoder.is_compiled_for(1) and decoder.is_compiled_for(2)
         lengths = [12 + 3 * i for i in range(6)]
 
         def ask(i: int) -> list[int]:
@@ -175,6 +178,7 @@ def test_a_compiled_engine_gives_the_tokens_of_an_eager_one(run_dir) -> None:
             expected = compiled.expected(PROMPTS[i % len(PROMPTS)], lengths[i], temperature=0, compile=False)
             assert got[i] == expected, i
         assert compiled.engine.batch.peak_batch == 2
+        assert {size for size, _, _ in decoder._steps} == {1, 2} and not decoder.eager_buckets
     finally:
         compiled.close()
 
@@ -509,6 +513,36 @@ def test_the_command_serves_and_sigterm_stops_it_cleanly(tmp_path) -> None:
     error = json.loads(events[-2])["error"]
     assert "shutting down" in error["message"]
     assert len(events) < 1000  # it stopped early
+
+
+def test_the_command_answers_at_once_while_its_decode_steps_compile(run_dir, tmp_path, monkeypatch) -> None:
+    """`serve` with the plan's compiled decoding, on an empty Inductor cache: the first request is answered
+    while its decode step compiles in the background, `/info` names the step in flight, the output says when
+    it is compiled and how it measured, and a request after that gets the same greedy tokens."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("SCRATCHLM_CACHE_DIR", str(tmp_path / "cache"))
+    process, url = serve_command(run_dir, "--device", "cpu", "--precision", "fp32", compile=True)
+    body = {"model": "tiny-run", "prompt": "Once", "max_tokens": 6, "temperature": 0}
+    try:
+        first = request(url, "POST", "/v1/completions", json.dumps(body).encode()).json()["choices"][0][
+            "text"
+        ]
+        assert request(url, "GET", "/info").json()["compiling"] == ["1 sequence"]
+        deadline = time.monotonic() + 240
+        while request(url, "GET", "/info").json()["compiling"]:
+            assert time.monotonic() < deadline, "the decode step did not compile"
+            time.sleep(0.5)
+        second = request(url, "POST", "/v1/completions", json.dumps(body).encode()).json()["choices"][0][
+            "text"
+        ]
+        assert second == first
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(TIMEOUT)
+    output = process.stdout.read()
+    assert "compiling the decode step for 1 sequence in the background" in output, output
+    assert "compiled the decode step for 1 sequence in " in output
+    assert re.search(r"  1 sequence: (compiled|eager); a step", output), output
 
 
 def test_ctrl_c_stops_the_command_saying_so_in_one_line(run_dir) -> None:

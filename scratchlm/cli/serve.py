@@ -71,15 +71,15 @@ def run(args: argparse.Namespace) -> None:
             max_queue=args.max_queue,
             stop_ids=end_ids(tokenizer),
             compiled=choices.decode.value,
+            announce=lambda line: console.print(line, style="dim"),
         )
         console.print(f"decode step: {choices.decode.reason}", style="dim")
         if choices.decode.value:
-            buckets = ", ".join(map(str, engine.batch.buckets()))
             console.print(
-                f"compiling the decode step for batches of {buckets} before serving (seconds each, less once "
-                "Inductor's cache holds them; --no-compile skips it)"
+                "the decode steps compile as requests first need them, in the background; until each is "
+                "ready its steps run eagerly (--no-compile: always eager)",
+                style="dim",
             )
-        engine.batch.warm_up(lambda line: console.print(line, style="dim"))
         server = build_server(engine, tokenizer, name, args.host, port, args.api_key)
         engine.start()
         try:

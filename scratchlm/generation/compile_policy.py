@@ -5,15 +5,15 @@ only where it runs faster than the eager step and the tokens still to generate s
 costs. Both depend on the machine and the model's shape, so both are measured, and the measurements are kept
 per machine (`scratchlm.device.decode_timings`) for the next decision:
 
-    measure_decoder   compile a bucket's step and time it against the eager one; a bucket where compiling
-                      measured no faster runs eagerly from then on (the serving engine, before it serves)
     CompiledSwitch    one `generate` call's move from eager steps to a compiled decoder: after a few timed
                       eager steps, and only where the steps left pay for the compilation; it records what it
                       measured when the call ends
     _DECODERS         the compiled decoders of this process, one per model and row count, so that a second
                       call never compiles what the first one did
 
-The decode step itself (buckets, windows, how a step compiles on each device) is `scratchlm.generation.decode`.
+The decode step itself (buckets, windows, how a step compiles on each device) is `scratchlm.generation.decode`;
+a server's steps, compiled in the background as its traffic needs them and kept where they measure faster, are
+`scratchlm.generation.on_demand`.
 """
 
 from __future__ import annotations
@@ -21,20 +21,16 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from collections.abc import Callable
-
-import torch
 
 from scratchlm.console import console
 from scratchlm.device.decode_timings import (
-    MIN_GAIN,
     DecodeTimings,
     measured_timings,
     record_timings,
     timings_key,
     worth_compiling,
 )
-from scratchlm.generation.decode import Decoder, bucket
+from scratchlm.generation.decode import Decoder
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.precisions import DTYPE_NAMES
@@ -49,40 +45,6 @@ def model_timings_key(model: TransformerLM, rows: int) -> str:
     c = model.config
     shape = (c.num_layers, c.d_model, c.num_heads, c.kv_heads, c.d_ff, c.vocab_size, c.context_length)
     return timings_key(weight.device, precision or str(weight.dtype), shape, rows)
-
-
-def measure_decoder(decoder: Decoder, rows: int, steps: int = 8) -> DecodeTimings:
-    """Compile `decoder`'s step for `rows` sequences at each of its windows (a server before its first
-    request) and time it against the eager step, `steps` steps each with every row just under half the
-    context; the cache's rows are left as they were. Where the compiled step measures less than `MIN_GAIN`
-    times faster, steps of that size run eagerly from now on (`Decoder.eager_buckets`)."""
-    cache = decoder.cache
-    size = bucket(rows, decoder.max_rows)
-    saved = [(layer.keys[:size].clone(), layer.values[:size].clone()) for layer in cache.layers]
-    lengths, in_use = list(cache.lengths), cache.batch_size
-    tokens = torch.zeros(size, dtype=torch.long, device=saved[0][0].device)
-
-    def timed(run: Callable[[], object], length: int = max(0, cache.window // 2 - 1)) -> float:
-        cache.lengths[:size] = [length] * size
-        start = time.perf_counter()
-        run()
-        if tokens.is_cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    decoder.eager_buckets.discard(size)
-    # Each window compiles at its first step: one with the rows as long as the window allows.
-    windows = decoder.uncompiled_windows(size)
-    compile_s = sum(timed(lambda: decoder.step(tokens), w - 1) for w in windows) or decoder.compile_seconds
-    compiled = min(timed(lambda: decoder.step(tokens)) for _ in range(steps))
-    eager = min(timed(lambda: decoder.eager_step(tokens)) for _ in range(steps))
-    for layer, (keys, values) in zip(cache.layers, saved, strict=True):
-        layer.keys[:size], layer.values[:size] = keys, values
-    cache.lengths[:], cache.batch_size = lengths, in_use
-    timings = DecodeTimings(eager_ms=eager * 1e3, compiled_ms=compiled * 1e3, compile_s=compile_s)
-    if timings.speedup < MIN_GAIN:
-        decoder.eager_buckets.add(size)
-    return timings
 
 
 # One compiled decoder per model and row count, for `generate`: a compilation is paid for once per process.
@@ -121,7 +83,8 @@ class CompiledSwitch:
             self.eager_seconds.append(now - self._last)
         self._last = now
         decoders = _DECODERS.get(self.model, {})
-        ready = self.rows in decoders and decoders[self.rows].is_compiled_for(self.rows)
+        reach = cache.length + steps_left  # the rows' length at the call's last step: one window holds it
+        ready = self.rows in decoders and decoders[self.rows].is_compiled_for(self.rows, reach)
         if not (ready or self.forced):
             if len(self.eager_seconds) < WARMUP_STEPS:
                 return None
@@ -133,6 +96,7 @@ class CompiledSwitch:
             decoders = _DECODERS.setdefault(self.model, {})
             decoders[self.rows] = Decoder(self.model, self.rows, compiled=True, announce=_announce)
         decoder = self.used = decoders[self.rows]
+        decoder.reach = reach
         for row in range(self.rows):
             decoder.cache.store(row, cache, row)
         return decoder

@@ -21,10 +21,15 @@ than its arithmetic. The remedy is the gpt-fast recipe:
 
 The window is the whole context, except where the rows' keys and values weigh as much as a good part of the
 weights (`window_buckets`). A step reads every weight once and every row's keys and values over its window
-once; with many rows the keys and values are most of those bytes (16 rows of the TinyStories shape: 67 MB of
-them over the whole context, against 70 MB of weights), and so of the time. There the window is bucketed too
-(a quarter of the context, a half, the whole), and a step runs at the smallest bucket that holds its longest
-row: three compilations instead of one, and sequences of ordinary lengths read a half or a quarter of it.
+once; with many rows, or a long context, the keys and values are most of those bytes (16 rows of the
+TinyStories shape: 67 MB of them over the whole context, against 70 MB of weights; one row of a 30-layer
+model with 8,192 positions: 377 MB against 425 MB), and so of the time. There the window follows the
+sequences' lengths: windows double from the largest where the keys and values weigh at most a sixteenth of
+the weights (below it a smaller window saves under 6 % of a step's bytes) up to the context, and a step runs
+at the smallest window that holds its longest row. A conversation of 300 tokens reads 512 positions of an
+8K or a 128K context alike. Each window is a compilation of its own, made when a sequence first needs it
+(a `generate` call compiles the one window that holds its whole generation, `reach`; a server compiles in
+the background, `scratchlm.generation.on_demand`).
 
 Prefill (a prompt of any length) stays eager: it is one pass of many tokens, where the operations are large
 and their overhead does not count. Its keys and values are copied into the decoder's rows (`store`).
@@ -67,27 +72,38 @@ def bucket(rows: int, max_rows: int) -> int:
 
 
 # Windows are bucketed where the rows' keys and values over the whole context weigh at least this share of
-# the weights, and at least `WINDOW_BYTES`: below either, the bytes saved do not pay for the two more
-# compilations (a small model's keys and values stay in the CPU's caches, and its step is not read-bound).
+# the weights, and at least `WINDOW_BYTES`: below either, the bytes saved do not pay for more compilations (a
+# small model's keys and values stay in the CPU's caches, and its step is not read-bound).
 WINDOW_SHARE = 0.25
 WINDOW_BYTES = 16 * 2**20
+# The smallest window: the largest power of two at which the keys and values weigh at most this share of the
+# weights; halving it again would save under 6 % of a step's bytes, for one more compilation.
+FLOOR_SHARE = 1 / 16
 
 
 def window_buckets(model: TransformerLM, rows: int) -> list[int]:
-    """The windows (numbers of key positions) a compiled step of `rows` rows runs at: the context, and on a
-    CPU a quarter and a half of it too where the rows' keys and values over the whole context weigh at least
-    `WINDOW_SHARE` of the weights (as they are held: the cache in `decode_dtype`, the weights in theirs) and
-    at least `WINDOW_BYTES`."""
+    """The windows (numbers of key positions) a compiled step of `rows` rows runs at: the whole context, or,
+    on a CPU where the rows' keys and values over the whole context weigh at least `WINDOW_SHARE` of the
+    weights (as they are held: the cache in `decode_dtype`, the weights in theirs) and at least
+    `WINDOW_BYTES`, powers of two from the largest whose keys and values weigh at most `FLOOR_SHARE` of the
+    weights, doubling up to the context."""
     config, weight, context = model.config, model.lm_head.weight, model.config.context_length
     activations = model.token_embeddings.weight  # in the plan's dtype even where the matrices hold int8
     held = decode_dtype(activations.dtype, activations.device).itemsize
-    kv_bytes = rows * context * 2 * config.num_layers * config.kv_heads * config.head_dim * held
+    position_bytes = rows * 2 * config.num_layers * config.kv_heads * config.head_dim * held
     weight_bytes = model.num_parameters(non_embedding=True) * weight.element_size()
     # On a GPU the whole context: there the buckets are graphs of one `torch.compile`d function, which
     # recompiles for at most `torch._dynamo.config.recompile_limit` shapes, fewer than the buckets' windows.
-    if weight.is_cuda or kv_bytes < max(WINDOW_SHARE * weight_bytes, WINDOW_BYTES):
+    if weight.is_cuda or position_bytes * context < max(WINDOW_SHARE * weight_bytes, WINDOW_BYTES):
         return [context]
-    return sorted({max(1, context // 4), max(1, context // 2), context})
+    window = 1
+    while 2 * window * position_bytes <= FLOOR_SHARE * weight_bytes and 2 * window < context:
+        window *= 2
+    windows = []
+    while window < context:
+        windows.append(window)
+        window *= 2
+    return [*windows, context]
 
 
 def _step(model: TransformerLM, cache: WholeWindowKVCache, tokens: Tensor) -> Tensor:
@@ -105,13 +121,14 @@ class _DecodeStep(nn.Module):
         return self.model.decode(tokens, cache)
 
 
-def compile_on_cpu(
-    model: TransformerLM, view: WholeWindowKVCache, tokens: Int[Tensor, "rows 1"]
-) -> Callable[[Tensor], Tensor]:
-    """`view`'s step compiled without Dynamo: traced into a graph whose inputs are the tokens, the model's
-    parameters and buffers, and the view's tensors (running the step once, which writes what the step
-    writes), then compiled by Inductor. The weights are inputs, not constants, so that each call reads them
-    where they lie, as a `torch.compile`d step does."""
+Traced = tuple[torch.fx.GraphModule, list[Tensor]]  # a step's graph and the inputs it was traced with
+
+
+def trace_on_cpu(model: TransformerLM, view: WholeWindowKVCache, tokens: Int[Tensor, "rows 1"]) -> Traced:
+    """`view`'s step traced into a graph whose inputs are the tokens, the model's parameters and buffers, and
+    the view's tensors (running the step once, which writes what the step writes: each row's keys and values
+    at its position, where its next step writes them again). The weights are inputs, not constants, so that
+    each call reads them where they lie, as a `torch.compile`d step does."""
     module = _DecodeStep(model)
     named = dict(module.named_parameters()) | dict(module.named_buffers())
     names, weights = list(named), list(named.values())
@@ -123,7 +140,16 @@ def compile_on_cpu(
     inputs = [tokens, *weights, *view.tensors()]
     with torch.no_grad(), tracing_step():
         graph = make_fx(step, tracing_mode="real")(*inputs)
-    compiled = torch._inductor.standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs")
+    return graph, inputs
+
+
+def compile_traced(traced: Traced, threads: int) -> Callable[[Tensor], Tensor]:
+    """A traced step compiled by Inductor without Dynamo, its loops written for `threads` threads (set here:
+    a thread's count is its own, and this may run in a thread of its own), taking the tokens alone."""
+    graph, inputs = traced
+    torch.set_num_threads(threads)
+    with torch.no_grad():  # an inference graph, whichever thread compiles it: nothing is kept for backward
+        compiled = torch._inductor.standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs")
     held = inputs[1:]  # every input but the tokens: the same tensors at every call
     return lambda tokens: compiled(tokens, *held)
 
@@ -133,8 +159,9 @@ class Decoder:
 
     Eager, a step runs on the rows in use and the keys of the longest row, as the serving engine always has.
     Compiled, it runs at the bucket of the rows in use, over the smallest of its `window_buckets` that holds
-    the longest row; the first step of each bucket, window and thread count compiles it (`compile_seconds`
-    adds up the time), said through `announce` before and after, so a command can show what it waits for."""
+    the longest row and `reach` (the length the caller will take its rows to: one compilation for a whole
+    generation); the first step of each bucket, window and thread count compiles it (`compile_seconds` adds
+    up the time), said through `announce` before and after, so a command can show what it waits for."""
 
     def __init__(
         self,
@@ -146,9 +173,10 @@ class Decoder:
         self.model, self.max_rows, self.compiled = model, max_rows, compiled
         self.cache = model.new_padded_kv_cache(max_rows)
         self.announce = announce or (lambda line: None)
+        self.reach = 0  # the length the caller will take its rows to: a window holds it from the start
         self.compile_seconds = 0.0
         self.step_seconds: list[float] = []  # the compiled steps' times, compilations left out
-        # Sizes where the compiled step measured no faster (`compile_policy.measure_decoder`): run eagerly.
+        # Sizes where the compiled step measured no faster (`scratchlm.generation.on_demand`): run eagerly.
         self.eager_buckets: set[int] = set()
         self._windows = {size: window_buckets(model, size) for size in range(1, max_rows + 1)}
         self._views: dict[tuple[int, int], WholeWindowKVCache] = {}  # by bucket and window
@@ -178,6 +206,10 @@ class Decoder:
                 torch._dynamo.mark_static_address(tensor)
         return view
 
+    def _trace(self, rows: int, window: int) -> Traced:
+        """The CPU step of `rows` rows over `window` positions, traced at the rows' current positions."""
+        return trace_on_cpu(self.model, self._views[rows, window], self._tokens[rows])
+
     def _compile(self, rows: int, window: int) -> Callable[[Tensor], Tensor]:
         """The step of `rows` rows over `window` positions, compiled: on a GPU at its first call, as a CUDA
         graph (the output is copied: it lives in the graph's memory, which the next step overwrites); on a
@@ -185,24 +217,24 @@ class Decoder:
         view = self._views[rows, window]
         if self._on_gpu:
             return lambda tokens: self._graphed(self.model, view, tokens).clone()
-        return compile_on_cpu(self.model, view, self._tokens[rows])
+        return compile_traced(self._trace(rows, window), torch.get_num_threads())
+
+    def window_for(self, rows: int, reach: int) -> int:
+        """The smallest window of the bucket of `rows` rows that holds `reach` positions (or the context)."""
+        size = bucket(rows, self.max_rows)
+        return next((w for w in self._windows[size] if w >= reach), self._windows[size][-1])
 
     def window(self, rows: int) -> int:
         """The window a compiled step of the first `rows` rows runs at: the smallest of the bucket's windows
-        past the longest row's length (where its new token goes)."""
-        longest = max(self.cache.lengths[:rows])
-        return next(w for w in self._windows[bucket(rows, self.max_rows)] if w > longest)
+        past the longest row's length (where its new token goes) that holds `reach` too."""
+        return self.window_for(rows, max(max(self.cache.lengths[:rows]) + 1, self.reach))
 
-    def uncompiled_windows(self, rows: int) -> list[int]:
-        """The windows of the bucket of `rows` sequences whose step is not compiled yet at the current
-        thread count."""
-        size, threads = bucket(rows, self.max_rows), torch.get_num_threads()
-        return [window for window in self._windows[size] if (size, window, threads) not in self._steps]
-
-    def is_compiled_for(self, rows: int) -> bool:
-        """Whether a step of `rows` sequences runs without compiling first, at any of its windows."""
-        compiled = not self.uncompiled_windows(rows)
-        return not self.compiled or compiled or bucket(rows, self.max_rows) in self.eager_buckets
+    def is_compiled_for(self, rows: int, reach: int = 1) -> bool:
+        """Whether a step of `rows` sequences whose lengths stay within `reach` runs without compiling first."""
+        size = bucket(rows, self.max_rows)
+        if not self.compiled or size in self.eager_buckets:
+            return True
+        return (size, self.window_for(rows, reach), torch.get_num_threads()) in self._steps
 
     def eager_step(self, tokens: Int[Tensor, " rows"]) -> Float[Tensor, "rows vocab"]:
         """The step run eagerly on the rows in use, whatever the decoder compiles."""
@@ -211,30 +243,40 @@ class Decoder:
 
     def step(self, tokens: Int[Tensor, " rows"]) -> Float[Tensor, "rows vocab"]:
         """Run each row's newest token (row r of the cache is sequence r); every row's length grows by one."""
+        if not self.compiled or bucket(tokens.shape[0], self.max_rows) in self.eager_buckets:
+            return self.eager_step(tokens)
+        return self.compiled_step(tokens, self.window(tokens.shape[0]))
+
+    def _shape(self, size: int, window: int) -> str:
+        shape = f"{size} sequence{'' if size == 1 else 's'}"
+        return shape + ("" if window == self.cache.window else f", {window} positions")
+
+    def _prepare(self, tokens: Int[Tensor, " rows"], window: int) -> tuple[int, int, int]:
+        """Put the rows' tokens and positions where the step of their bucket over `window` reads them; its
+        key (bucket, window, threads)."""
         rows = tokens.shape[0]
         size = bucket(rows, self.max_rows)
-        if not self.compiled or size in self.eager_buckets:
-            return self.eager_step(tokens)
         self.cache.batch_size = rows
-        window = self.window(rows)
-        key = (size, window, torch.get_num_threads())
-        first = key not in self._steps
         view = self._view(size, window)
         view.set_positions(self.cache.lengths[:rows])
-        padded = self._tokens[size]
-        padded[:rows, 0] = tokens
+        self._tokens[size][:rows, 0] = tokens
+        return size, window, torch.get_num_threads()
+
+    def compiled_step(self, tokens: Int[Tensor, " rows"], window: int) -> Float[Tensor, "rows vocab"]:
+        """`step` through the compiled step over `window` positions (which must hold every row's new token),
+        compiled first where this is its first call."""
+        key = size, _, _ = self._prepare(tokens, window)
+        first = key not in self._steps
         if first:
-            shape = f"{size} sequence{'' if size == 1 else 's'}"
-            shape += "" if window == self.cache.window else f", {window} positions"
-            self.announce(f"compiling the decode step for {shape}…")
+            self.announce(f"compiling the decode step for {self._shape(size, window)}…")
         start = time.perf_counter()
         if first:
             self._steps[key] = self._compile(size, window)
-        logits = self._steps[key](padded)[:rows]
+        logits = self._steps[key](self._tokens[size])[: tokens.shape[0]]
         seconds = time.perf_counter() - start
         if first:
             self.compile_seconds += seconds
-            self.announce(f"compiled the decode step for {shape} in {seconds:.1f} s")
+            self.announce(f"compiled the decode step for {self._shape(size, window)} in {seconds:.1f} s")
         else:
             self.step_seconds.append(seconds)
         self.cache.advance(1)

@@ -20,7 +20,8 @@ So a sequence joins the running batch at the next token and leaves it when it is
 times as much for 16 rows as for 1 on a CPU (the weights are read once per step either way; the TinyStories shape
 on one thread: about 25 ms against 9.4 ms), which is where the throughput of many sequences comes from. The steps
 run through a `Decoder` (`scratchlm.generation.decode`): eager, or compiled at the batch sizes 1, 2, 4, 8, 16 (the
-rows in use rounded up), each compiled by `warm_up` before the first sequence waits for it.
+rows in use rounded up) and the windows the rows' lengths need, each compiled when the traffic first needs it, in
+the background, while the steps run eagerly (`scratchlm.generation.on_demand`).
 
 What a sequence produces goes to its `emit`, in order: `PromptLogprobs` (if asked), then one `Token` per sampled
 token, then `Finished`. Each row draws with its own generator, so a seed gives the same tokens whoever shares the
@@ -39,10 +40,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from scratchlm.device.decode_timings import record_timings
-from scratchlm.generation.compile_policy import measure_decoder, model_timings_key
-from scratchlm.generation.decode import Decoder, bucket
+from scratchlm.generation.decode import Decoder
 from scratchlm.generation.generate import stopping_ids
+from scratchlm.generation.on_demand import OnDemandDecoder
 from scratchlm.generation.sampling import SamplingOptions, draw
 from scratchlm.model.transformer import TransformerLM
 
@@ -139,14 +139,21 @@ class Batch:
         max_batch: int = 16,
         stop_ids: Collection[int] = (),
         compiled: bool = False,
+        background: bool = True,
+        announce: Callable[[str], None] | None = None,
     ):
         """`model` computes in the dtype its weights are held in, and so do its caches. A sequence ends at `eos_id`
-        or any of `stop_ids` (a chat model's end of turn). `compiled`: decode steps compiled (call `warm_up` first)."""
+        or any of `stop_ids` (a chat model's end of turn). `compiled`: decode steps compiled as the sequences
+        first need them, in the `background` (else at once), said through `announce`."""
         self.model, self.eos_id = model, eos_id
         self.stop_ids = stopping_ids(eos_id, stop_ids)
         self.max_batch = max_batch
         self.device = next(model.parameters()).device
-        self.decoder = Decoder(model, max_batch, compiled)
+        self.decoder = (
+            OnDemandDecoder(model, max_batch, background, announce)
+            if compiled
+            else Decoder(model, max_batch, compiled=False)
+        )
         self.cache = self.decoder.cache
         self.peak_batch = 0  # the most rows one step has run, since the start
         self.active: list[Sequence] = []  # row i of the cache is sequence i
@@ -155,23 +162,9 @@ class Batch:
         """How many tokens can follow a prompt of `prompt_tokens` tokens within the context."""
         return token_budget(self.model, prompt_tokens)
 
-    def buckets(self) -> list[int]:
-        """The batch sizes a compiled step runs at: 1, 2, 4, ... up to `max_batch`."""
-        return sorted({bucket(rows, self.max_batch) for rows in range(1, self.max_batch + 1)})
-
-    def warm_up(self, announce: Callable[[str], None] = lambda line: None) -> None:
-        """Compile the decode step at every bucket now, before any sequence waits for it, and time it against
-        the eager step: a bucket where compiling does not pay runs eagerly (nothing to do when not
-        `compiled`). The timings are recorded for this machine (`scratchlm doctor` shows them)."""
-        if not self.decoder.compiled:
-            return
-        self.decoder.announce = announce
-        with torch.inference_mode():
-            for rows in self.buckets():
-                timings = measure_decoder(self.decoder, rows)
-                record_timings(model_timings_key(self.model, rows), timings)
-                way = "eager" if rows in self.decoder.eager_buckets else "compiled"
-                announce(f"  {rows} sequence{'' if rows == 1 else 's'}: {way}; {timings.describe()}")
+    def compiling(self) -> list[str]:
+        """The decode steps being compiled (see `OnDemandDecoder.compiling`)."""
+        return self.decoder.compiling() if isinstance(self.decoder, OnDemandDecoder) else []
 
     @property
     def room(self) -> int:

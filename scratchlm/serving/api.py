@@ -356,6 +356,7 @@ def create_app(
                 "context_length": config.context_length,
                 "api_key_required": api_key is not None,
                 "chat": template is not None,
+                "compiling": engine.batch.compiling(),
             }
         )
 

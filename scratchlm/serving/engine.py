@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -48,9 +48,12 @@ class Engine:
         max_queue: int = 64,
         stop_ids: Collection[int] = (),
         compiled: bool = False,
+        background: bool = True,
+        announce: Callable[[str], None] | None = None,
     ):
-        """`model` and the rest as `Batch` takes them (call `batch.warm_up` before `start` where `compiled`)."""
-        self.batch = Batch(model, eos_id, max_batch, stop_ids, compiled)
+        """`model` and the rest as `Batch` takes them: where `compiled`, each decode step compiles when the
+        traffic first needs it (in the `background`, serving eagerly meanwhile), said through `announce`."""
+        self.batch = Batch(model, eos_id, max_batch, stop_ids, compiled, background, announce)
         self.model, self.stop_ids, self.max_queue = model, self.batch.stop_ids, max_queue
         self._pending: deque[Sequence] = deque()
         self._lock = threading.Condition()
