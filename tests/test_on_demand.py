@@ -179,3 +179,30 @@ def test_the_steps_of_a_long_context_compile_at_the_window_the_lengths_need(monk
     greedy(decoder, 2, 1)
     ((_, window, _),) = decoder._steps
     assert window == 64
+
+
+def test_a_step_traced_beside_the_serving_steps_reads_the_layout_the_plan_gave(model, monkeypatch):
+    """The background trace runs on fake tensors, beside steps that go on writing the cache: a model laid out
+    for inference (its attention projections and SwiGLU's W1 and W3 fused into stacks, held beside the
+    parameters) compiles there and gives the eager tokens, and the rows' keys and values are those of an
+    eager decoder after the same steps."""
+    from scratchlm.device.planning import plan
+    from scratchlm.generation.layout import prepare_for_inference
+
+    monkeypatch.setattr(on_demand, "MIN_GAIN", 0.0)
+    prepare_for_inference(model, plan(torch.device("cpu"), "fp32"))
+    decoder = on_demand.OnDemandDecoder(model, 4, background=True)
+    fill(decoder, model, [7, 2, 5])
+
+    def between(step: int) -> None:
+        if step == 2:
+            decoder.settle(120)
+
+    assert greedy(decoder, 10, 3, between) == eager_tokens(model, [7, 2, 5], 10)
+    assert len(decoder.step_seconds) >= 7  # compiled from the fourth step on
+    eager = Decoder(model, 4, compiled=False)
+    fill(eager, model, [7, 2, 5])
+    greedy(eager, 10, 3)
+    for mine, theirs in zip(decoder.cache.layers, eager.cache.layers, strict=True):
+        for row, length in enumerate([17, 12, 15]):
+            torch.testing.assert_close(mine.keys[row, :, :length], theirs.keys[row, :, :length])

@@ -49,6 +49,7 @@ short request never waits for it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 
@@ -124,12 +125,18 @@ class _DecodeStep(nn.Module):
 Traced = tuple[torch.fx.GraphModule, list[Tensor]]  # a step's graph and the inputs it was traced with
 
 
-def trace_on_cpu(model: TransformerLM, view: WholeWindowKVCache, tokens: Int[Tensor, "rows 1"]) -> Traced:
+def trace_on_cpu(
+    model: TransformerLM, view: WholeWindowKVCache, tokens: Int[Tensor, "rows 1"], fake: bool = False
+) -> Traced:
     """`view`'s step traced into a graph whose inputs are the tokens, the model's parameters and buffers, and
-    the view's tensors (running the step once, which writes what the step writes: each row's keys and values
-    at its position, where its next step writes them again). The weights are inputs, not constants, so that
-    each call reads them where they lie, as a `torch.compile`d step does."""
-    module = _DecodeStep(model)
+    the view's tensors: by running the step once, which writes what the step writes (each row's keys and
+    values at its position, where its next step writes them again), or, `fake`, on fake tensors of the same
+    shapes, which reads and writes nothing (a trace that runs beside the steps, in a thread of its own). The
+    weights are inputs, not constants, so that each call reads them where they lie, as a `torch.compile`d step
+    does. A fake trace runs on a copy of the model's modules that shares its tensors: `functional_call`
+    puts the graph's inputs in the place of the parameters while it traces, and the steps running beside it
+    must go on reading the real ones."""
+    module = _DecodeStep(_sharing_tensors(model) if fake else model)
     named = dict(module.named_parameters()) | dict(module.named_buffers())
     names, weights = list(named), list(named.values())
 
@@ -139,8 +146,31 @@ def trace_on_cpu(model: TransformerLM, view: WholeWindowKVCache, tokens: Int[Ten
 
     inputs = [tokens, *weights, *view.tensors()]
     with torch.no_grad(), tracing_step():
-        graph = make_fx(step, tracing_mode="real")(*inputs)
+        # Tensors the layers hold beside their parameters (a fused stack, a copy by rows) are the graph's
+        # constants either way: `_allow_non_fake_inputs` lets a fake trace take them as they are.
+        mode = "fake" if fake else "real"
+        graph = make_fx(step, tracing_mode=mode, _allow_non_fake_inputs=fake)(*inputs)
     return graph, inputs
+
+
+def _sharing_tensors(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules (and of the objects they hold) whose tensors are `model`'s own."""
+    shared: dict[int, object] = {}
+    seen: set[int] = set()
+    pending: list[object] = [model]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Tensor):
+            shared[id(item)] = item
+        elif id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, dict):
+                pending.extend(item.values())
+            elif isinstance(item, list | tuple | set):
+                pending.extend(item)
+            elif hasattr(item, "__dict__") and not isinstance(item, type):
+                pending.extend(vars(item).values())
+    return copy.deepcopy(model, shared)
 
 
 def compile_traced(traced: Traced, threads: int) -> Callable[[Tensor], Tensor]:
@@ -206,9 +236,10 @@ class Decoder:
                 torch._dynamo.mark_static_address(tensor)
         return view
 
-    def _trace(self, rows: int, window: int) -> Traced:
-        """The CPU step of `rows` rows over `window` positions, traced at the rows' current positions."""
-        return trace_on_cpu(self.model, self._views[rows, window], self._tokens[rows])
+    def _trace(self, rows: int, window: int, fake: bool = False) -> Traced:
+        """The CPU step of `rows` rows over `window` positions, traced at the rows' current positions (or,
+        `fake`, on fake tensors: see `trace_on_cpu`)."""
+        return trace_on_cpu(self.model, self._views[rows, window], self._tokens[rows], fake)
 
     def _compile(self, rows: int, window: int) -> Callable[[Tensor], Tensor]:
         """The step of `rows` rows over `window` positions, compiled: on a GPU at its first call, as a CUDA

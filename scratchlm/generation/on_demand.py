@@ -8,11 +8,11 @@ would keep a server silent for minutes. So `OnDemandDecoder`
     serves at once       a step whose compiled form is not ready runs at a larger window of its bucket that is
                          compiled (the same function over more masked positions), else eagerly;
     compiles what the    the first step that needs a bucket and window starts its compilation, when none is
-    traffic needs        running: the graph is traced at once, between two steps, in the serving thread
-                         (tracing runs the step, which writes each row's keys and values where its next step
-                         writes them again); Inductor compiles it, the slow part, in a thread of its own, and
-                         the step is used from the first step after it is done. One compilation at a time:
-                         a step that still needs its own asks again later. On a GPU, where a step compiles
+    traffic needs        running, in a thread of its own: the graph traced on fake tensors (which reads and
+                         writes nothing of the cache the steps go on using; tracing a 30-layer step takes tens
+                         of seconds), then compiled by Inductor; the step is used from the first step after it
+                         is done. One compilation at a time: a step that still needs its own asks again
+                         later. On a GPU, where a step compiles
                          through `torch.compile` at its first call, and where `background` is off (tests), it
                          compiles at once, in the serving thread;
     keeps what pays      the first use of each compiled step times it against the eager step at the same rows
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from scratchlm.device.decode_timings import MIN_GAIN, DecodeTimings, measured_timings, record_timings
 from scratchlm.generation.compile_policy import model_timings_key
-from scratchlm.generation.decode import Decoder, Traced, bucket, compile_traced
+from scratchlm.generation.decode import Decoder, bucket, compile_traced
 from scratchlm.model.transformer import TransformerLM
 
 Key = tuple[int, int, int]  # the bucket of rows, the window, the threads
@@ -105,20 +105,19 @@ class OnDemandDecoder(Decoder):
         return self.compiled_step(tokens, window)
 
     def _start(self, tokens: Int[Tensor, " rows"], window: int) -> None:
-        """Trace the step the rows need now, and compile it in a thread of its own."""
+        """Trace and compile the step the rows need now, in a thread of its own."""
         key = size, _, threads = self._prepare(tokens, window)
         self.announce(
             f"compiling the decode step for {self._shape(size, window)} in the background; "
             "serving without it meanwhile…"
         )
         start = time.perf_counter()
-        traced = self._trace(size, window)
         done: Future = Future()
         shape = self._shape(size, window)
 
-        def compile_it(traced: Traced) -> None:
+        def compile_it() -> None:
             try:
-                step = compile_traced(traced, threads)
+                step = compile_traced(self._trace(size, window, fake=True), threads)
             except BaseException as e:  # reported by the serving thread, which goes on eagerly
                 done.set_exception(e)
                 return
@@ -127,7 +126,7 @@ class OnDemandDecoder(Decoder):
             done.set_result((step, seconds))
 
         # A daemon thread: a server stopped mid-compilation exits without waiting for Inductor.
-        threading.Thread(target=compile_it, args=(traced,), name="scratchlm-compile", daemon=True).start()
+        threading.Thread(target=compile_it, name="scratchlm-compile", daemon=True).start()
         self._in_flight = (key, done)
 
     def _collect(self) -> None:
