@@ -4,9 +4,11 @@ The model has SmolLM-135M's shape (30 layers, d_model 576, 9 heads over 3 KV hea
 49,152, tied embeddings), with random weights: memory and speed depend on the shapes, not the values. Each
 side is the run's own step: forward, cross-entropy, backward, clipping at norm 1, the AdamW of
 `build_optimizer` over the parameter groups the model declares (every parameter for full fine-tuning; the
-adapters alone for LoRA, `scratchlm.model.lora.apply_lora` on all seven matrices of every block).
+adapters alone for LoRA, `scratchlm.model.lora.apply_lora` on all seven matrices of every block). LoRA runs
+twice: its frozen base stored in float32 (`lora.base_dtype = "fp32"`) and in bfloat16 (`"bf16"`, what "auto"
+chooses on this float32 plan), computing in float32 either way.
 
-Training state = the parameters (all of them, frozen ones too, in their dtype) + the gradients of the trainable
+Training state = the parameters (all of them, frozen ones too, in the dtype they are stored in) + the gradients of the trainable
 ones + the optimizer's state, counted from the tensors after a step. Speed: the steps alternate (full, LoRA,
 full, ...) so that a busy machine slows both alike, and the best step of each is reported.
 
@@ -23,7 +25,7 @@ import torch
 
 from scratchlm.allocator import keep_freed_memory
 from scratchlm.model.config import LoRAConfig, ModelConfig
-from scratchlm.model.lora import Adapters, apply_lora
+from scratchlm.model.lora import Adapters, apply_lora, storage_dtype
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.training.grad import clip_grad_norm
@@ -73,14 +75,14 @@ def main() -> None:
     keep_freed_memory()
     torch.manual_seed(0)
     full = TransformerLM(SMOLLM_135M)
-    lora = TransformerLM(SMOLLM_135M)
-    lora.load_state_dict(full.state_dict())
-    apply_lora(lora, Adapters(LoRAConfig(args.rank)))
     settings = OptimizerConfig(lr=1e-4, weight_decay=0.0)
-    sides = {
-        "full": (full, build_optimizer(settings, full)),
-        f"LoRA r{args.rank}": (lora, build_optimizer(settings, lora)),
-    }
+    sides = {"full": (full, build_optimizer(settings, full))}
+    for stored in ("fp32", "bf16"):
+        lora = TransformerLM(SMOLLM_135M)
+        lora.load_state_dict(full.state_dict())
+        config = LoRAConfig(args.rank, base_dtype=stored)
+        apply_lora(lora, Adapters(config), base_dtype=storage_dtype(config, torch.float32))
+        sides[f"LoRA r{args.rank} {stored}"] = (lora, build_optimizer(settings, lora))
     ids = torch.randint(0, SMOLLM_135M.vocab_size, (args.batch, args.seq + 1))
     best = {name: float("inf") for name in sides}
     for i in range(args.steps + 1):
@@ -91,18 +93,17 @@ def main() -> None:
     print(
         f"{torch.get_num_threads()} threads, batch {args.batch} x {args.seq} tokens, fp32, best of {args.steps}"
     )
-    print(f"{'':12} {'trainable':>12} {'state MB':>10} {'step s':>8} {'tokens/s':>9}")
-    rows = {}
+    print(
+        f"{'':17} {'trainable':>12} {'state MB':>10} {'step s':>8} {'tokens/s':>9} {'state/full':>10} {'rate/full':>9}"
+    )
+    full_bytes, full_rate = state_bytes(*sides["full"]), tokens / best["full"]
     for name, (model, optimizer) in sides.items():
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        rows[name] = (state_bytes(model, optimizer), tokens / best[name])
+        size, rate = state_bytes(model, optimizer), tokens / best[name]
         print(
-            f"{name:12} {trainable:>12,} {rows[name][0] / 1e6:>10.1f} {best[name]:>8.3f} {rows[name][1]:>9.1f}"
+            f"{name:17} {trainable:>12,} {size / 1e6:>10.1f} {best[name]:>8.3f} {rate:>9.1f}"
+            f" {size / full_bytes:>9.3f}x {rate / full_rate:>8.2f}x"
         )
-    (full_bytes, full_rate), (lora_bytes, lora_rate) = rows.values()
-    print(
-        f"LoRA / full: training state {lora_bytes / full_bytes:.3f}x, tokens/s {lora_rate / full_rate:.2f}x"
-    )
 
 
 if __name__ == "__main__":

@@ -144,22 +144,28 @@ def test_state_bytes_equal_the_tensors_of_a_real_step(case, precision):
 
 
 @pytest.mark.parametrize("targets", [LoRAConfig().targets, ("q_proj", "v_proj", "w2")])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(("precision", "stored"), [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")])
 @pytest.mark.parametrize("case", ["adamw", "sgd", "muon"])
-def test_lora_state_bytes_equal_the_tensors_of_a_real_adapted_step(case, precision, targets):
-    """A model adapted as a LoRA run adapts it (its blocks' matrices in the compute dtype) and one step: the
-    bytes of every parameter, frozen and trained, of the trained ones' gradients and of the optimizer's state
-    are exactly the estimate's; the frozen ones have no gradient."""
+def test_lora_state_bytes_equal_the_tensors_of_a_real_adapted_step(case, precision, stored, targets):
+    """A model adapted as a LoRA run adapts it (its frozen matrices stored as `lora.base_dtype` says, a bf16
+    base on a float32 plan too) and one step: the bytes of every parameter, frozen and trained, of the trained
+    ones' gradients and of the optimizer's state are exactly the estimate's; the frozen ones have no
+    gradient."""
     config, optimizer_config = MEASURED[case]
     # the fast recipe's ReLU² feed-forward has no gate w3 to adapt
-    lora = LoRAConfig(rank=4, targets=tuple(t for t in targets if t != "w3" or config.ffn == "swiglu"))
+    adapted = tuple(t for t in targets if t != "w3" or config.ffn == "swiglu")
+    lora = LoRAConfig(rank=4, targets=adapted, base_dtype=stored)
     torch.manual_seed(0)
     model = TransformerLM.from_config(config)
-    apply_lora(model, Adapters(lora), base_dtype=torch.bfloat16 if precision == "bf16" else None)
+    apply_lora(model, Adapters(lora), base_dtype={"fp32": None, "bf16": torch.bfloat16}[stored])
     optimizer = real_step(model, config, optimizer_config, precision)
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert trained and all(p.grad is None for p in frozen)
+    vectors = [p for p in frozen if p.dim() == 1]  # the gains: float32 whatever the storage
+    assert all(p.dtype == torch.float32 for p in vectors)
+    bits = {"fp32": torch.float32, "bf16": torch.bfloat16}[stored]
+    assert all(p.dtype == bits for p in frozen if p.dim() == 2)
     est = lora_memory(config, lora, optimizer_config.name, precision, 2, 1, 1, False)
     assert tensor_bytes(trained) + tensor_bytes(frozen) == est.parameters
     assert tensor_bytes(p.grad for p in trained) == est.gradients == 4 * sum(p.numel() for p in trained)
@@ -170,13 +176,18 @@ def test_lora_by_hand():
     """SMALL (d_model 32, d_ff 96, four heads of keys and values), rank 4 on all seven matrices: a block's
     adapters are 4 × (q 64 + k 64 + v 64 + output 64 + w1 128 + w2 128 + w3 128) = 2,560 values."""
     adapters = 2 * 2_560
-    lora = lora_memory(SMALL, LoRAConfig(rank=4), "adamw", "bf16", 8, 2, 1, False)
+    lora = lora_memory(SMALL, LoRAConfig(rank=4, base_dtype="bf16"), "adamw", "bf16", 8, 2, 1, False)
     full = estimate(precision="bf16")
-    assert lora.parameters == 2 * MATRICES + 4 * (TOTAL - MATRICES) + 4 * adapters
+    # frozen: every matrix and table in 2 bytes (the base in bf16), the gains 2 · 64 + 32 = 160 in 4
+    gains = 160
+    assert lora.parameters == 2 * (TOTAL - gains) + 4 * gains + 4 * adapters
+    for precision in ("fp32", "bf16"):  # a float32 base is 4 bytes a parameter on either plan
+        kept = lora_memory(SMALL, LoRAConfig(rank=4, base_dtype="fp32"), "adamw", precision, 8, 2, 1, False)
+        assert kept.parameters == 4 * TOTAL + 4 * adapters
     assert (lora.gradients, lora.optimizer_state, lora.buffers) == (4 * adapters, 8 * adapters, 0)
     # x Aᵀ: 7 matrices × 2 blocks × 4 sequences of 16 tokens × rank 4, in bf16; one block under checkpointing
     assert lora.activations == full.activations + 7 * 2 * 64 * 4 * 2
-    ckpt = lora_memory(SMALL, LoRAConfig(rank=4), "adamw", "bf16", 8, 2, 1, True)
+    ckpt = lora_memory(SMALL, LoRAConfig(rank=4, base_dtype="bf16"), "adamw", "bf16", 8, 2, 1, True)
     assert ckpt.activations == estimate(precision="bf16", checkpointing=True).activations + 7 * 64 * 4 * 2
     with pytest.raises(Exception, match="lora.targets: the blocks have no matrix 'qkv'"):
         lora_memory(SMALL, LoRAConfig(rank=4, targets=("qkv",)), "adamw", "bf16", 8, 2, 1, False)
@@ -299,7 +310,8 @@ def test_doctor_compares_a_lora_sft_config_with_full_fine_tuning_of_its_base(tmp
     base = chat_run(tmp_path / "base", context=32, seed=0)
     path = tmp_path / "sft.toml"
     path.write_text(
-        f'[sft]\nbase = "{base}"\ntrain = "chats.jsonl"\n[lora]\nrank = 4\n[training]\nmax_steps = 10\n'
+        f'[sft]\nbase = "{base}"\ntrain = "chats.jsonl"\n[lora]\nrank = 4\nbase_dtype = "bf16"\n'
+        "[training]\nmax_steps = 10\n"
     )
     args = ["doctor", "--no-compile-check", "--config", str(path)]
     assert main([*args, "--json"]) == 0
@@ -307,7 +319,7 @@ def test_doctor_compares_a_lora_sft_config_with_full_fine_tuning_of_its_base(tmp
     assert report["precision"] == "fp32" and report["layout"] == "1 process"
     model = load_trained(str(base), "cpu").model
     assert report["full"]["parameters"] == tensor_bytes(model.parameters())
-    apply_lora(model, Adapters(LoRAConfig(rank=4)))
+    apply_lora(model, Adapters(LoRAConfig(rank=4)), base_dtype=torch.bfloat16)
     assert report["lora"]["parameters"] == tensor_bytes(model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert report["lora"]["gradients"] == 4 * trained and report["lora"]["optimizer_state"] == 8 * trained

@@ -89,8 +89,8 @@ def window_buckets(model: TransformerLM, rows: int) -> list[int]:
     `WINDOW_BYTES`, powers of two from the largest whose keys and values weigh at most `FLOOR_SHARE` of the
     weights, doubling up to the context."""
     config, weight, context = model.config, model.lm_head.weight, model.config.context_length
-    activations = model.token_embeddings.weight  # in the plan's dtype even where the matrices hold int8
-    held = decode_dtype(activations.dtype, activations.device).itemsize
+    embeddings = model.token_embeddings  # its rows in the plan's dtype even where the matrices hold int8
+    held = decode_dtype(embeddings.output_dtype, embeddings.weight.device).itemsize
     position_bytes = rows * 2 * config.num_layers * config.kv_heads * config.head_dim * held
     weight_bytes = model.num_parameters(non_embedding=True) * weight.element_size()
     # On a GPU the whole context: there the buckets are graphs of one `torch.compile`d function, which

@@ -166,6 +166,9 @@ class ModelConfig:
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
 
 
+BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # lora.base_dtype's values
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """The `[lora]` section: which matrices get adapters, of what rank, and how they are scaled."""
@@ -173,11 +176,22 @@ class LoRAConfig:
     rank: int = 0  # r; 0: no adapters (full fine-tuning)
     alpha: float = 0.0  # α, the update is (α / r) B A; 0: 2 × rank (a scaling of 2 at every rank)
     targets: tuple[str, ...] = DEFAULT_TARGETS  # the blocks' Linear names adapted
+    # The frozen weights' storage (the compute dtype is the plan's): "auto" holds them in 16 bits, fp16 on an
+    # fp16 plan and bf16 on the others (float32 too: each weight is upcast at use); "fp32" keeps them as read.
+    base_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
 
     @property
     def scaling(self) -> float:
         """`α / r`."""
         return (self.alpha or 2.0 * self.rank) / self.rank
+
+    def base_precision(self, precision: str) -> str:
+        """The precision ("bf16", "fp16" or "fp32") the frozen weights are stored in on a plan computing in
+        `precision` (resolved: "fp32", "bf16" or "fp16"). "auto" halves them whatever the plan: bf16 keeps
+        float32's range (a weight cannot overflow), and on an fp16 plan fp16 is what the products take."""
+        if self.base_dtype != "auto":
+            return self.base_dtype
+        return "fp16" if precision == "fp16" else "bf16"
 
     def check(self, source: str) -> None:
         if self.rank < 0:
@@ -186,3 +200,7 @@ class LoRAConfig:
             raise ScratchlmError(f"{source}: lora.alpha must be >= 0 (0: 2 × rank), got {self.alpha!r}")
         if self.rank and not self.targets:
             raise ScratchlmError(f"{source}: lora.targets is empty: name the blocks' matrices to adapt")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ScratchlmError(
+                f"{source}: lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}"
+            )

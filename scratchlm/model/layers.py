@@ -42,6 +42,47 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def autocasting(x: Tensor) -> bool:
+    """Whether autocast is on for `x`'s device (it then picks the products' dtype itself)."""
+    return torch.is_autocast_enabled(x.device.type)
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """`y = x Wᵀ` for a frozen `W` stored in a lower precision than `x` (bfloat16 under float32), computed in
+    `x`'s dtype.
+
+    The obvious `x @ W.float().T` is right but costs the memory it was meant to save: autograd keeps every
+    input of the product for the backward pass, so the float32 copy of `W` stays alive until then, one per
+    matrix, as activations, and the saving of holding `W` in 16 bits is lost. The chain rule says what the
+    backward needs instead. With `y = x Wᵀ` and the upstream gradient `g = ∂L/∂y`,
+
+        ∂L/∂x = g W          (each x_i reaches every y_j through W_ji)
+        ∂L/∂W = gᵀ x         (not wanted: W is frozen)
+
+    so the backward needs `W` alone, not `x`, and `W` can be saved as it is stored (16 bits) and upcast
+    again there: one more conversion a matrix per step, against 2 bytes a weight held for the whole step.
+    Upcasting is exact (every bfloat16 is a float32), so the result is the product with the upcast weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(weight)
+        return x @ weight.to(x.dtype).T
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype), None
+
+
+def upcast_linear(
+    x: Float[Tensor, "... d_in"], weight: Float[Tensor, "d_out d_in"]
+) -> Float[Tensor, "... d_out"]:
+    """`x Wᵀ` in `x`'s dtype for a frozen `weight` held in fewer bits, saving only the stored `weight` for the
+    backward pass (`_UpcastLinear`); the weight gets no gradient."""
+    return _UpcastLinear.apply(x, weight)
+
+
 class Linear(nn.Module):
     """`y = x Wᵀ`, no bias. Init `N(0, 2 / (in + out))` truncated at ±3σ, which keeps the variance of
     activations and of gradients about constant through the layer (Glorot & Bengio, 2010)."""
@@ -82,6 +123,10 @@ class Linear(nn.Module):
                 # the tokens by Wᵀ (a step of 4 rows 8.0 ms against 18.1, of 16 rows 20.4 against 26.3).
                 tokens = x.reshape(-1, x.shape[-1])
                 return (by_rows @ tokens.T).T.reshape(*x.shape[:-1], by_rows.shape[0])
+        if self.weight.dtype != x.dtype and not self.weight.requires_grad and not autocasting(x):
+            # A frozen W held in fewer bits than the input computes in (a LoRA base stored in bf16 on a
+            # float32 plan): upcast at use, keeping no upcast copy for the backward pass.
+            return upcast_linear(x, self.weight)
         # `matmul` folds the leading dimensions into one (tokens × d_in) @ (d_in × d_out) product; an einsum
         # over "..." would run a batched product against an expanded copy of W, twice as slow on CPU.
         return x @ self.weight.T
@@ -254,9 +299,18 @@ class Embedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = _truncated_normal(num_embeddings, embedding_dim, 1.0, device, dtype)
+        # The dtype rows are returned in where the table is stored in fewer bits (a frozen LoRA base,
+        # `scratchlm.model.lora`): the residual stream keeps the precision it has with the table in it.
+        self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of the rows it returns: `compute_dtype`, else the table's."""
+        return self.compute_dtype or self.weight.dtype
 
     def forward(self, token_ids: Int[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
-        return self.weight[token_ids]
+        rows = self.weight[token_ids]
+        return rows if self.compute_dtype is None else rows.to(self.compute_dtype)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"

@@ -15,6 +15,15 @@ the two extra parameters, so the state dict keeps every key of the base and adds
 `...q_proj.lora_B`), and freezes every other parameter; `merge_lora` folds `W + (α/r) B A` back into `W` and
 turns them into plain `Linear`s again. Nothing in the model's code knows of it: a model declares its
 adapters to the optimizer through `Linear.adapters()`, which is empty for a plain `Linear`.
+
+**The frozen base in 16 bits.** A frozen weight has no gradient and no optimizer state, so in float32 it is 4 of
+full fine-tuning's 16 bytes a parameter: a quarter of the state before a single adapter. `apply_lora`'s
+`base_dtype` stores every frozen matrix (the blocks', the LM head, the embedding tables) in 16 bits, 2 bytes,
+whatever the plan computes in: under autocast (a bf16 or fp16 plan) the products take the 16-bit weight as
+they would a float32 one; on a float32 plan a frozen `Linear` whose weight is narrower than its input upcasts it
+at use (`scratchlm.model.layers.upcast_linear`, which keeps only the 16-bit weight for the backward pass), and
+an `Embedding` returns its rows in the dtype it had (`Embedding.compute_dtype`), so that the residual stream
+keeps its precision. QLoRA (Dettmers et al., 2023) goes further, to 4 bits. The adapters stay float32.
 """
 
 from __future__ import annotations
@@ -29,7 +38,17 @@ from torch import Tensor, nn
 
 from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import LoRAConfig
-from scratchlm.model.layers import Linear
+from scratchlm.model.layers import Embedding, Linear
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def storage_dtype(config: LoRAConfig, compute: torch.dtype) -> torch.dtype | None:
+    """The dtype `config.base_dtype` stores the frozen weights in on a plan computing in `compute`; None where
+    that is float32, the dtype they are read in (nothing to convert)."""
+    precision = {dtype: name for name, dtype in DTYPES.items()}[compute]
+    stored = DTYPES[config.base_precision(precision)]
+    return None if stored == torch.float32 else stored
 
 
 @dataclass(frozen=True)
@@ -47,7 +66,9 @@ class Adapters:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Adapters:
-        config = LoRAConfig(int(values["rank"]), float(values["alpha"]), tuple(values["targets"]))
+        # `base_dtype` is recorded since it was added; older records train on as "auto" would
+        base_dtype = values.get("base_dtype", "auto")
+        config = LoRAConfig(int(values["rank"]), float(values["alpha"]), tuple(values["targets"]), base_dtype)
         return cls(config, values.get("base", ""), values.get("base_fingerprint", ""))
 
 
@@ -92,10 +113,11 @@ def apply_lora(
     model: nn.Module, adapters: Adapters, train: tuple[str, ...] = (), base_dtype: torch.dtype | None = None
 ) -> int:
     """Adapt `model`'s blocks (`model.layers`) as `adapters.config` says and freeze everything else except the
-    parameters named in `train` (e.g. the embeddings of tokens the base lacked); the frozen matrices of the
-    blocks are held in `base_dtype` when given (the plan's compute dtype: a 16-bit base halves its memory).
-    Records `adapters` as `model.lora_adapters`. Returns the number of matrices adapted; a target no block has is
-    an error naming it."""
+    parameters named in `train` (e.g. the embeddings of tokens the base lacked); the frozen matrices (the
+    blocks', the head, the embedding tables; not the gains) are stored in `base_dtype` when given (a 16-bit base
+    halves its memory; see the module docstring), and compute as before. Records `adapters` as
+    `model.lora_adapters`. Returns the number of matrices adapted; a target no block has is an error naming
+    it."""
     config = adapters.config
     linears = {name: m for name, m in model.layers.named_modules() if isinstance(m, Linear)}
     known = sorted({name.rsplit(".", 1)[-1] for name in linears})
@@ -107,15 +129,35 @@ def apply_lora(
     for name, p in model.named_parameters():
         if name in train:
             p.requires_grad_(True)
+    if base_dtype is not None:
+        store_frozen(model, base_dtype)
     adapted = 0
     for name, linear in linears.items():
-        if base_dtype is not None:
-            linear.weight.data = linear.weight.data.to(base_dtype)
         if name.rsplit(".", 1)[-1] in config.targets:
             add_lora(linear, config.rank, config.scaling)
             adapted += 1
     model.lora_adapters = adapters
     return adapted
+
+
+def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store the frozen weights of `model`'s `Linear`s and `Embedding`s in `dtype`; each `Embedding` so stored
+    returns its rows in the dtype it had. Records the dtypes they had as `model.lora_stored_from` (by
+    parameter name), which `merge_lora` gives back."""
+    had = {name: p.dtype for name, p in model.named_parameters()}  # a tied matrix under its first name only
+    by_id = {id(p): had[name] for name, p in model.named_parameters()}
+    stored = getattr(model, "lora_stored_from", {})
+    for module in model.modules():
+        if not isinstance(module, Linear | Embedding) or module.weight.requires_grad:
+            continue
+        weight = module.weight
+        if isinstance(module, Embedding) and by_id[id(weight)] != dtype:
+            module.compute_dtype = by_id[id(weight)]
+        weight.data = weight.data.to(dtype)
+    for name, p in model.named_parameters():
+        if p.dtype != had[name]:
+            stored.setdefault(name, had[name])
+    model.lora_stored_from = stored
 
 
 def adapters_of(model: nn.Module) -> Adapters | None:
@@ -150,7 +192,16 @@ def load_trainable(model: nn.Module, state: dict[str, Tensor], source: str) -> N
 def merge_lora(model: nn.Module) -> int:
     """Fold every adapter into its matrix, `W ← W + (α/r) B A` (computed in float32, stored in W's dtype), and
     turn the `LoRALinear`s back into `Linear`s: the same model, with the cost of the base at inference.
-    Returns the number of matrices merged."""
+    A base `apply_lora` stored in fewer bits gets its dtypes back first (float32, as the model was built), so
+    the update is not rounded to 16 bits against the weight it is added to (bf16 keeps 8 significant bits, and
+    `ΔW` is usually far smaller than `W`: most of it would round away). Returns the number of matrices
+    merged."""
+    params = dict(model.named_parameters())
+    for name, dtype in getattr(model, "lora_stored_from", {}).items():
+        params[name].data = params[name].data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, Embedding):
+            module.compute_dtype = None
     merged = 0
     for module in model.modules():
         if isinstance(module, LoRALinear):
@@ -160,6 +211,7 @@ def merge_lora(model: nn.Module) -> int:
             del module.lora_A, module.lora_B, module.scaling
             module.__class__ = Linear
             merged += 1
-    if hasattr(model, "lora_adapters"):
-        del model.lora_adapters
+    for attribute in ("lora_adapters", "lora_stored_from"):
+        if hasattr(model, attribute):
+            delattr(model, attribute)
     return merged

@@ -134,12 +134,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx, hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float, chunk_size: int
     ) -> Tensor:
         # Under autocast the head's matmul runs in the autocast dtype; backward (outside autocast) casts to it.
+        # Without, in the hidden states' dtype: a frozen head stored in fewer bits (a LoRA base in bf16 on a
+        # float32 plan) is upcast here and in the backward pass, and saved as it is stored.
         compute_dtype = (
             torch.get_autocast_dtype(hidden.device.type)
             if torch.is_autocast_enabled(hidden.device.type)
-            else None
+            else hidden.dtype
         )
-        h, w = (x.to(compute_dtype) if compute_dtype else x for x in (hidden, weight))
+        h, w = (x.to(compute_dtype) for x in (hidden, weight))
         log_sum_exps, total = [], torch.zeros((), device=hidden.device)
         for start in range(0, len(targets), chunk_size):
             logits, _ = _capped_logits(h[start : start + chunk_size], w, softcap)
@@ -152,11 +154,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total / len(targets)
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor | None, None, None, None]:
         hidden, weight, targets, log_sum_exp = ctx.saved_tensors
-        h, w = (x.to(ctx.compute_dtype) if ctx.compute_dtype else x for x in (hidden, weight))
+        h, w = (x.to(ctx.compute_dtype) for x in (hidden, weight))
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen head (LoRA) needs no gradient: skipping it saves a head-sized product a chunk.
+        wants_weight = ctx.needs_input_grad[1]
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
+        )
         scale = grad_loss / len(targets)
         vocab = torch.arange(weight.shape[0], device=weight.device)
         for start in range(0, len(targets), ctx.chunk_size):
@@ -167,5 +173,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad = grad * scale if tanh is None else grad * scale * (1 - tanh.square())
             grad = grad.to(h.dtype)
             grad_hidden[start:stop] = (grad @ w).to(hidden.dtype)
-            grad_weight += (grad.T @ h[start:stop]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+            if grad_weight is not None:
+                grad_weight += (grad.T @ h[start:stop]).float()
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None

@@ -28,8 +28,9 @@ A world of one is one process: nothing sharded, whatever the parallelism. Sizes 
 
 **LoRA** (`lora_memory`, `scratchlm.model.lora`) trains two thin float32 matrices beside each adapted matrix
 `W (d_out × d_in)` of the blocks, `A (r × d_in)` and `B (d_out × r)`, and freezes the rest. The frozen
-parameters are weights only (no gradients, no optimizer state): the blocks' matrices in the plan's compute
-dtype (`apply_lora`'s `base_dtype`: 2 bytes under bf16 or fp16), the embeddings, head and gains in float32.
+parameters are weights only (no gradients, no optimizer state): the matrices (the blocks', the embedding
+tables, the head) in `lora.base_dtype`'s storage (2 bytes under "auto", on a float32 plan too: `apply_lora`'s
+`base_dtype`), the gains in float32.
 The adapters have float32 gradients and AdamW's two moments (under Muon too: they are not orthogonalised; none
 under SGD). Their activations are the handout's list plus `x Aᵀ`, the r values a token each adapter keeps for
 B's gradient (its input `x` is already on the list, as the input of the matrix it adapts). LoRA runs use DDP,
@@ -58,6 +59,7 @@ COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_TENSORS = {"adamw": 2, "sgd": 0}  # float32 state tensors per parameter (Muon: `optimizer_elements`)
 MATRIX_COMPONENTS = ("attention (W_Q, W_K, W_V, W_O)", "feed-forward")  # the "matrices" parameter group
 HEAD_ACTIVATIONS = ("final RMSNorm", "logits + cross-entropy")  # outside the blocks
+GAINS = ("RMSNorm gains", "U-net skip weights")  # vectors a LoRA base keeps in float32 (the rest are tables)
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,9 @@ def lora_memory(
     full = rank_memory(config, optimizer, precision, batch_size, grad_accum, world, "ddp", checkpointing)
     split = parameter_split(config)
     adapters = config.num_layers * lora.rank * sum(d_out + d_in for d_out, d_in in adapted)
-    frozen = split.matrices * COMPUTE_BYTES[precision] + (split.total - split.matrices) * BYTES_FP32
+    gains = sum(n for name, n in parameter_counts(config).items() if name in GAINS)
+    stored = COMPUTE_BYTES[lora.base_precision(precision)]
+    frozen = (split.total - gains) * stored + gains * BYTES_FP32
     moments = 0 if optimizer == "sgd" else OPTIMIZER_TENSORS["adamw"]
     # x Aᵀ of every adapted matrix; under checkpointing, of the one block recomputed at a time
     tokens = micro_batch(batch_size, world, grad_accum) * config.context_length

@@ -283,10 +283,9 @@ class TransformerLM(ConfigModule):
         in the dtype a decode step attends in (`decode_dtype` of the weights' dtype, the dtype the model
         computes keys in for inference: `prepare_for_inference`; the embeddings', which stay in it when the
         matrices are held in int8)."""
-        weight = self.token_embeddings.weight
-        return PaddedKVCache.for_model(
-            self.config, max_rows, decode_dtype(weight.dtype, weight.device), weight.device
-        )
+        embeddings = self.token_embeddings
+        dtype, device = embeddings.output_dtype, embeddings.weight.device
+        return PaddedKVCache.for_model(self.config, max_rows, decode_dtype(dtype, device), device)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Trainable parameters, each shared tensor counted once. `non_embedding` leaves out the embedding

@@ -3,7 +3,8 @@
 
     the model of [model]  ->  the base's weights (`training.init_from`, the stage's base; `start_from_weights`)
                           ->  adapters on `lora.targets`, every other parameter frozen (`apply_lora`), the
-                              frozen matrices in the plan's compute dtype, the adapters in float32
+                              frozen matrices stored as `lora.base_dtype` says (16 bits by default, on a
+                              float32 plan too), the adapters in float32
                           ->  the optimizer over the trainable parameters alone; a resume loads the adapters
                               and their optimizer state from the run's checkpoint (`scratchlm.run.load`)
 
@@ -21,7 +22,7 @@ import torch
 
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.lora import Adapters, apply_lora
+from scratchlm.model.lora import Adapters, apply_lora, storage_dtype
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.config import TrainConfig
@@ -37,7 +38,7 @@ def adapt(
     dtype: torch.dtype,
 ) -> None:
     """Load the base into `model` and adapt it as `[lora]` says (see the module docstring); `dtype`: the
-    plan's compute dtype, which the frozen matrices are held in."""
+    plan's compute dtype, from which `lora.base_dtype = "auto"` chooses the frozen matrices' storage."""
     base_path = config.training.init_from
     if not Path(base_path).exists():
         raise ScratchlmError(
@@ -56,7 +57,8 @@ def adapt(
         if base_shapes.get(name, tuple(p.shape)) != tuple(p.shape)
     )
     adapters = Adapters(config.lora, str(Path(base_path).resolve()), base.weights_fingerprint())
-    adapted = apply_lora(model, adapters, train=grown, base_dtype=None if dtype == torch.float32 else dtype)
+    stored = storage_dtype(config.lora, dtype)
+    adapted = apply_lora(model, adapters, train=grown, base_dtype=stored)
     if dist.is_main:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
@@ -64,5 +66,7 @@ def adapt(
         console.print(
             f"LoRA: rank {lora.rank}, alpha {lora.alpha or 2 * lora.rank:g} (scaling {lora.scaling:g}) on "
             f"{adapted} matrices ({', '.join(lora.targets)}); training {trainable:,} of {total:,} parameters "
-            f"({trainable / total:.2%})" + (f", the grown {', '.join(grown)} among them" if grown else "")
+            f"({trainable / total:.2%})"
+            + (f", the grown {', '.join(grown)} among them" if grown else "")
+            + f"; the frozen weights stored in {str(stored or torch.float32).removeprefix('torch.')}"
         )
