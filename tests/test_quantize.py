@@ -2,8 +2,8 @@
 
 - The quantization is per output channel and symmetric: each row's scale is its largest magnitude over 127,
   and each weight is within half a step of what the integers and the scale stand for.
-- The int8 matmul, in each of its forms (PyTorch's `_weight_int8pack_mm` or the dequantized product eagerly,
-  the loop of a compiled decode step), equals a brute-force float64 product of the activations and the
+- The int8 matmul, in each of its forms (PyTorch's `_weight_int8pack_mm`, scratchlm's kernel, where it builds
+  (tests/test_int8_kernel.py), or the dequantized product eagerly; the kernel or the loop of a compiled step), equals a brute-force float64 product of the activations and the
   dequantized matrix to float32 rounding: `K` roundings of the dot products' magnitudes, `K` the dot length.
 - Which eager form runs is the plan's (`Plan.int8_matmul`), from the device profile's int8 rates: the kernel
   only where it ran and measured no slower at every size, with the rates mocked both ways; the layers then
@@ -53,6 +53,7 @@ from scratchlm.generation.quantize import (
     weight_bytes,
 )
 from scratchlm.generation.sampling import SamplingOptions
+from scratchlm.kernels import int8_cpu
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.layers import Embedding, Linear, LinearStack, int8_matmul, tracing_step
 from scratchlm.model.transformer import TransformerLM
@@ -100,16 +101,22 @@ def test_quantization_is_symmetric_per_output_channel():
 
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize(("d_in", "d_out"), [(512, 1344), (1344, 512), (512, 1000), (96, 40)])
-@pytest.mark.parametrize("form", ["dequantize", pytest.param("pack", marks=NEEDS_KERNEL), "compiled"])
-def test_int8_matmul_equals_the_dequantized_product(rows, d_in, d_out, form):
+@pytest.mark.parametrize(
+    "form", ["dequantize", pytest.param("pack", marks=NEEDS_KERNEL), "kernel", "compiled", "compiled-loop"]
+)
+def test_int8_matmul_equals_the_dequantized_product(rows, d_in, d_out, form, monkeypatch):
     generator = torch.Generator().manual_seed(d_in + d_out)
     q, scale = quantize_per_channel(torch.randn(d_out, d_in, generator=generator) / 20)
     x = torch.randn(rows, d_in, generator=generator)
-    if form == "compiled":  # the forms the layer takes inside a compiled CPU decode step, run eagerly
+    if form == "compiled-loop":  # where scratchlm's kernel did not build
+        monkeypatch.setattr(int8_cpu, "load", lambda: False)
+    if form.startswith(
+        "compiled"
+    ):  # the forms the layer takes inside a compiled CPU decode step, run eagerly
         with tracing_step():
             y = int8_matmul(x, q, scale)
     else:
-        y = int8_matmul(x, q, scale, pack=form == "pack")
+        y = int8_matmul(x, q, scale, form)
     reference, magnitude = brute_force(x, q, scale)
     assert y.shape == (rows, d_out) and y.dtype == torch.float32
     assert torch.all((y.double() - reference).abs() <= (d_in + 2) * UNIT * magnitude)
@@ -223,7 +230,7 @@ def test_the_measurement_leaves_out_a_kernel_that_is_missing_or_wrong(monkeypatc
         rates = rates_module.int8_gbps(CPU, torch.float32)
         assert set(rates) == keys
         assert all(rates[f"pack_{n}"] == 0.0 < rates[f"dequantize_{n}"] for n in rates_module.INT8_TOKENS)
-        assert choose_int8_matmul(profile_with_int8(rates), "fp32").value == "dequantize"
+        assert choose_int8_matmul(profile_with_int8(rates), "fp32").value != "pack"
     monkeypatch.undo()
     if hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # the real kernel runs, and is timed
         rates = rates_module.int8_gbps(CPU, torch.float32)

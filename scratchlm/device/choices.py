@@ -27,6 +27,7 @@ the configured one, else a known GPU's data-sheet figure at the resolved precisi
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from scratchlm.device.host import affinity_cpus, busy_cores, cpu_times, others_b
 from scratchlm.device.profile import DeviceProfile
 from scratchlm.device.rates import INT8_TOKENS
 from scratchlm.errors import ScratchlmError
+from scratchlm.kernels import int8_cpu
 from scratchlm.precisions import PRECISIONS
 
 LOW_PRECISION_GAIN = 1.25  # auto picks bf16 (fp16) when its matmuls are at least this much faster than fp32's
@@ -223,37 +225,46 @@ def choose_matvec(profile: DeviceProfile, precision: str) -> Choice:
     return Choice(way, f"a token times a {precision} matrix, GB/s: {measured}", measured=True)
 
 
+# The eager int8 forms other than the dequantized product, and what they are called in a plan's reason.
+INT8_KERNELS = {"kernel": "scratchlm's int8 kernel", "pack": "aten._weight_int8pack_mm"}
+
+
 def choose_int8_matmul(profile: DeviceProfile, precision: str) -> Choice:
-    """How an eager product by an int8 matrix (`--quantize int8`) runs with activations at `precision`:
-    "pack", PyTorch's kernel `aten._weight_int8pack_mm`, where it ran, gave the dequantized product and was
-    no slower than the dequantized product at every size measured (`rates.INT8_TOKENS`: one token and a batch
-    of them both run eagerly); else "dequantize", the weight converted to the activations' dtype inside the
-    product, which runs everywhere. The kernel is not the faster everywhere: on a 2-core Zen 3 EPYC (AVX2) it
-    took 1.7 ms for one float32 token through a 2688 x 512 matrix, against 0.40 ms dequantized, while it took a
-    bf16 token through a 1024 x 512 matrix 5x faster than the dequantized product. Both ways give the same
+    """How an eager product by an int8 matrix (`--quantize int8`) runs with activations at `precision`: the
+    fastest of the `INT8_KERNELS` that ran, gave the dequantized product and was no slower than the
+    dequantized product at every size measured (`rates.INT8_TOKENS`: one token and a batch of them both run
+    eagerly), by its mean speed-up over it: "kernel", scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu`;
+    0.0 where it did not build), or "pack", PyTorch's `aten._weight_int8pack_mm`; else "dequantize", the
+    weight converted to the activations' dtype inside the product, which runs everywhere. None of them is the
+    faster everywhere: on a 2-core Zen 3 EPYC (AVX2) PyTorch's kernel took 1.7 ms for one float32 token
+    through a 2688 x 512 matrix, the dequantized product 0.40 ms and scratchlm's 0.09 ms, while PyTorch's
+    took a bf16 token through a 1024 x 512 matrix 5x faster than the dequantized product. All give the same
     product to rounding."""
     rates = profile.int8_gbps.get(precision)
     if not rates:
         where = "" if profile.type == "cpu" else f" (measured on a CPU only, not a {profile.type})"
         return Choice("dequantize", f"no int8 rates measured at {precision}{where}: the dequantized product")
-    sizes = [
-        (tokens, rates.get(f"pack_{tokens}", 0.0), rates.get(f"dequantize_{tokens}", 0.0))
-        for tokens in INT8_TOKENS
-    ]
-    if not any(packed > 0 for _, packed, _ in sizes):
-        return Choice(
-            "dequantize", f"aten._weight_int8pack_mm does not run for {precision} here", measured=True
-        )
-    pack = all(packed >= dequantized for _, packed, dequantized in sizes)
+    plain = {tokens: rates.get(f"dequantize_{tokens}", 0.0) for tokens in INT8_TOKENS}
+    speedups: dict[str, float] = {}
+    absent = []
+    for way, name in INT8_KERNELS.items():
+        found = [rates.get(f"{way}_{tokens}", 0.0) for tokens in INT8_TOKENS]
+        if not any(rate > 0 for rate in found):
+            why = int8_cpu.failure() if way == "kernel" else None
+            absent.append(f"{name} does not run for {precision} here" + (f": {why}" if why else ""))
+        elif all(rate >= plain[tokens] > 0 for tokens, rate in zip(INT8_TOKENS, found, strict=True)):
+            ratios = [rate / plain[tokens] for tokens, rate in zip(INT8_TOKENS, found, strict=True)]
+            speedups[way] = math.prod(ratios) ** (1 / len(ratios))
     measured = "; ".join(
-        f"{tokens} token{'' if tokens == 1 else 's'}: pack {packed:g}, dequantize {dequantized:g}"
-        for tokens, packed, dequantized in sizes
+        f"{tokens} token{'' if tokens == 1 else 's'}: "
+        + ", ".join(f"{way} {rates.get(f'{way}_{tokens}', 0.0):g}" for way in (*INT8_KERNELS, "dequantize"))
+        for tokens in INT8_TOKENS
     )
-    return Choice(
-        "pack" if pack else "dequantize",
-        f"int8 weights times {precision} activations, GB/s: {measured}",
-        measured=True,
-    )
+    way = max(speedups, key=speedups.__getitem__) if speedups else "dequantize"
+    reason = f"int8 weights times {precision} activations, GB/s: {measured}"
+    if absent:
+        reason += " (" + "; ".join(absent) + ")"
+    return Choice(way, reason, measured=True)
 
 
 # Dense peak FLOP/s (no sparsity) per (GPU name fragment, precision), from the vendors' data sheets. fp16 and

@@ -15,8 +15,9 @@ code that runs the model needs to know:
                    one-token steps without oneDNN): whichever way measured fastest here
     decode         whether inference may compile its one-token decode steps (`scratchlm.generation.decode`),
                    which it then does per model shape where they measured faster and pay for compiling
-    int8_matmul    how an eager product by an int8 matrix runs (`--quantize int8`): PyTorch's kernel
-                   ("pack") where it measured no slower here, else the weight dequantized into the product
+    int8_matmul    how an eager product by an int8 matrix runs (`--quantize int8`): scratchlm's CPU kernel
+                   ("kernel") or PyTorch's ("pack"), whichever measured fastest here and no slower than the
+                   weight dequantized into the product ("dequantize"), else that
 
 The plan holds facts and choices only, and this package imports nothing from the model or above it. What
 applies them to a model sits above both: inference's layout (weights held in `dtype`, in eval mode, stacks
@@ -60,7 +61,7 @@ class Plan:
     peak_flops: Choice  # FLOP/s, or None where unknown
     matvec: Choice  # one of `MATVEC_WAYS`: how inference runs a token times a weight matrix
     decode: Choice  # bool: compiled decode steps allowed (where they measure faster)
-    int8_matmul: Choice  # "pack" | "dequantize": how an eager product by an int8 matrix runs
+    int8_matmul: Choice  # "kernel" | "pack" | "dequantize": how an eager product by an int8 matrix runs
     warnings: tuple[str, ...] = ()
 
     @property

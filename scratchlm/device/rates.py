@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from scratchlm.device.host import Load, LoadWatch, usable_cores
+from scratchlm.kernels import int8_cpu
 from scratchlm.precisions import DTYPE_NAMES
 
 # Square matmul sizes of the rate measurement: large enough to reach a device's rate, small enough that the
@@ -158,8 +159,9 @@ def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int | N
 
 # The ways an int8 matrix with one scale a row (`--quantize int8`, `scratchlm.generation.quantize`) multiplies
 # activations eagerly (`DeviceProfile.int8_gbps`, `choices.choose_int8_matmul`): PyTorch's kernel
-# `aten._weight_int8pack_mm`, or the weight dequantized into the activations' dtype and multiplied by the BLAS.
-INT8_WAYS = ("pack", "dequantize")
+# `aten._weight_int8pack_mm`, the weight dequantized into the activations' dtype and multiplied by the BLAS, or
+# scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu`, built at its first use).
+INT8_WAYS = ("pack", "dequantize", "kernel")
 # The products timed: one token (a decode step), and 16 (a batched step, a short prefill).
 INT8_TOKENS = (1, 16)
 INT8_REPEATS = 5  # each product's time is the best of this many, after a first call
@@ -168,9 +170,9 @@ INT8_REPEATS = 5  # each product's time is the best of this many, after a first 
 def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Measured rates of activations in `dtype` times an int8 (1024, 512) matrix with a scale a row, each of
     the `INT8_WAYS` at each of `INT8_TOKENS`, in GB/s of int8 weights read, keyed `"{way}_{tokens}"`
-    ("pack_1", "dequantize_16", ...); each the best of `INT8_REPEATS`. "pack" is 0.0 where the kernel is
-    missing, refuses `dtype`, or gives something other than the dequantized product (within 2 % of its
-    largest output). Measured on a CPU only: {} on another device, where inference keeps the dequantized
+    ("pack_1", "dequantize_16", "kernel_1", ...); each the best of `INT8_REPEATS`. "pack" and "kernel" are
+    0.0 where their kernel is missing (scratchlm's did not build), refuses `dtype`, or gives something other
+    than the dequantized product (within 2 % of its largest output). Measured on a CPU only: {} on another device, where inference keeps the dequantized
     product. The matrix fits a CPU's caches (0.5 MiB): both ways read the same bytes, and what is compared is
     how fast each turns them into the product."""
     if device.type != "cpu":
@@ -178,6 +180,10 @@ def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (1024, 512), generator=generator, dtype=torch.int8)
     scale = (torch.rand(1024, generator=generator) / 100).to(dtype)
+    kernels = {
+        "pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, weight, scale),
+        "kernel": lambda x: int8_cpu.int8_matmul(x, weight, scale) if int8_cpu.load() else None,
+    }
     rates: dict[str, float] = {}
     for tokens in INT8_TOKENS:
         x = torch.randn(tokens, 512, generator=generator).to(dtype)
@@ -185,15 +191,17 @@ def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
         with torch.no_grad():
             seconds = _best_seconds(lambda x=x: (x @ weight.to(dtype).T) * scale)
             rates[f"dequantize_{tokens}"] = weight.numel() / seconds / 1e9
-            rates[f"pack_{tokens}"] = 0.0
-            try:
-                y = torch.ops.aten._weight_int8pack_mm(x, weight, scale).float()
-            except (AttributeError, RuntimeError, NotImplementedError):  # no kernel, or none for `dtype`
-                continue
-            if not torch.allclose(y, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max())):
-                continue
-            seconds = _best_seconds(lambda x=x: torch.ops.aten._weight_int8pack_mm(x, weight, scale))
-            rates[f"pack_{tokens}"] = weight.numel() / seconds / 1e9
+            for way, kernel in kernels.items():
+                rates[f"{way}_{tokens}"] = 0.0
+                try:
+                    y = kernel(x)
+                except (AttributeError, RuntimeError, NotImplementedError):  # no kernel, or none for `dtype`
+                    continue
+                tolerance = 2e-2 * float(reference.abs().max())
+                if y is None or not torch.allclose(y.float(), reference, rtol=2e-2, atol=tolerance):
+                    continue
+                seconds = _best_seconds(lambda x=x, kernel=kernel: kernel(x))
+                rates[f"{way}_{tokens}"] = weight.numel() / seconds / 1e9
     return rates
 
 

@@ -51,7 +51,7 @@ def prepare_for_inference(model: nn.Module, plan: Plan, quantize: str | None = N
     lay_out_for_inference(
         model,
         wide_by_columns=plan.matvec.value == "columns",
-        int8_pack=plan.int8_matmul.value == "pack",
+        int8_form=plan.int8_matmul.value,
     )
     if isinstance(model, TransformerLM):
         model.one_token_without_onednn = plan.matvec.value == "rows_no_onednn"

@@ -118,12 +118,11 @@ def describe(scheme: str | None, plan: Plan) -> str:
     precision = str(plan.dtype).removeprefix("torch.")
     if scheme is None:
         return f"off: every weight in {precision} (--quantize int8: the matrices in int8, a quarter of fp32's bytes)"
-    kernel = (
-        "aten._weight_int8pack_mm"
-        if plan.int8_matmul.value == "pack"
-        else "the weight dequantized into the product"
-    )
+    kernel = {
+        "pack": "aten._weight_int8pack_mm",
+        "kernel": "scratchlm's int8 kernel up to 16 rows, the weight dequantized into a larger product",
+    }.get(plan.int8_matmul.value, "the weight dequantized into the product")
     return (
         f"{scheme} weights per output channel: the blocks' matrices and the LM head (eager: {kernel}; a "
-        f"compiled decode step converts them in its loops); embeddings, norms and KV cache in {precision}"
+        f"compiled decode step on a CPU: scratchlm's int8 kernel); embeddings, norms and KV cache in {precision}"
     )

@@ -27,6 +27,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from scratchlm.kernels import int8_cpu
+from scratchlm.kernels.int8_cpu import ROWS_AT_MOST
 from scratchlm.model.config import DEFAULT_NORM_EPS
 from scratchlm.model.part import Device, DType
 
@@ -101,13 +103,13 @@ class Linear(nn.Module):
         # output row, `W ≈ weight * weight_scale[:, None]`. A buffer, so that a compiled step takes it as an
         # input; not persistent, so that the state dict keeps its keys.
         self.register_buffer("weight_scale", None, persistent=False)
-        # Whether the int8 product runs on PyTorch's kernel eagerly (`int8_matmul`): `Plan.int8_matmul`'s
-        # choice, set by the inference layout (`lay_out_for_inference`).
-        self.int8_pack = False
+        # How the int8 product runs eagerly (`int8_matmul`'s `form`): `Plan.int8_matmul`'s choice, set by the
+        # inference layout (`lay_out_for_inference`).
+        self.int8_form = "dequantize"
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         if self.weight_scale is not None:
-            return int8_matmul(x, self.weight, self.weight_scale, self.int8_pack)
+            return int8_matmul(x, self.weight, self.weight_scale, self.int8_form)
         if tracing_cpu_step(x):
             # A compiled decode step on a CPU (`scratchlm.generation.decode`) reads W by rows (a copy where
             # `weight` is held by columns, `hold_rows_for_decoding`); measured on a 2-core Zen 3 EPYC with
@@ -185,7 +187,7 @@ class LinearStack:
         self.linears = linears
         self.weight: Tensor | None = None
         self.scale: Tensor | None = None  # the rows' int8 scales, where the `Linear`s hold int8
-        self.int8_pack = False  # as `Linear.int8_pack`, for the stack's product
+        self.int8_form = "dequantize"  # as `Linear.int8_form`, for the stack's product
         self._addresses: list[int] = []
 
     def fuse(self, wide_by_columns: bool = False) -> None:
@@ -212,7 +214,7 @@ class LinearStack:
                 if self.scale is None:
                     y = x @ self.weight.T
                 else:
-                    y = int8_matmul(x, self.weight, self.scale, self.int8_pack)
+                    y = int8_matmul(x, self.weight, self.scale, self.int8_form)
                 return y.split([linear.out_features for linear in self.linears], dim=-1)
             self.weight = None  # a weight has left the stack: free it
         return tuple(linear(x) for linear in self.linears)
@@ -229,22 +231,22 @@ def by_columns(matrix: Float[Tensor, "out d_in"]) -> Float[Tensor, "out d_in"]:
     return matrix.T.contiguous().T
 
 
-def lay_out_for_inference(model: nn.Module, wide_by_columns: bool, int8_pack: bool = False) -> None:
+def lay_out_for_inference(model: nn.Module, wide_by_columns: bool, int8_form: str = "dequantize") -> None:
     """Inference's layout of `model`'s weights (`prepare_for_inference`): every `LinearStack` fused, and, with
     `wide_by_columns` (`Plan.matvec` "columns"), every wide matrix held by columns: the stacks and the `Linear`s
     of no stack (the LM head); without it, by rows. Values are unchanged; only where they lie in memory. Every
-    `Linear` and stack takes `int8_pack` (`Plan.int8_matmul` "pack"), which its int8 products, if any, follow
-    eagerly (`int8_matmul`)."""
+    `Linear` and stack takes `int8_form` (`Plan.int8_matmul`: "pack", "kernel" or "dequantize"), which its int8
+    products, if any, follow eagerly (`int8_matmul`)."""
     stacked = set()
     for module in model.modules():
         for stack in [value for value in vars(module).values() if isinstance(value, LinearStack)]:
             stack.fuse(wide_by_columns)
-            stack.int8_pack = int8_pack
+            stack.int8_form = int8_form
             stacked.update(id(linear) for linear in stack.linears)
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
-        module.int8_pack = int8_pack
+        module.int8_form = int8_form
         if id(module) not in stacked and is_wide(module.weight):
             weight = module.weight.data
             by_cols = wide_by_columns and module.weight_scale is None  # int8 is read by rows
@@ -255,25 +257,33 @@ def int8_matmul(
     x: Float[Tensor, "... d_in"],
     weight: Int[Tensor, "out d_in"],
     scale: Float[Tensor, " out"],
-    pack: bool = False,
+    form: str = "dequantize",
 ) -> Float[Tensor, "... out"]:
     """`x @ (weight * scale[:, None]).T` for an int8 `weight` with one scale per output row (weight-only int8,
     `scratchlm.generation.quantize`), in `x`'s dtype, without a float copy of the weight where it can be
     helped: the scale factors out of each row's dot product, `y_j = scale_j · Σ_i x_i weight_ji`.
 
-    Eagerly, with `pack`, PyTorch's own kernel `aten._weight_int8pack_mm`; without it, the weight dequantized
-    into the product. Which is faster depends on the CPU and the dtype, so the device plan measures both and
-    chooses (`Plan.int8_matmul`), and the layout hands the choice to each layer (`Linear.int8_pack`). In a
-    compiled decode step on a CPU, the forms of `Linear.forward` with the int8 rows converted in the loop: Inductor reads each int8 row once and converts
-    it in registers. (Measured on a 2-core Zen 3 EPYC, AVX2, 2688 x 512, one token: that loop 1.9 ms against
-    0.18 for float32's, its int8 loads going 8 at a time through a slow conversion; so on such a CPU int8
-    saves memory, not time, until the loop is written better.)"""
-    if tracing_cpu_step(x) and x.numel() == x.shape[-1]:
-        # One token: the product and sum over the rows, as for float weights; `x * weight` promotes the int8
-        # in the generated loop.
-        return ((x.unsqueeze(-2) * weight).sum(-1) * scale).to(x.dtype)
+    Eagerly, as `form` says: "kernel", scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu`) for up to
+    `ROWS_AT_MOST` rows of activations; "pack", PyTorch's `aten._weight_int8pack_mm`; "dequantize" (and
+    "kernel" beyond its rows: prefill), the weight dequantized into a matmul. Which is faster depends on the
+    CPU and the dtype, so the device plan measures them and chooses (`Plan.int8_matmul`), and the layout hands
+    the choice to each layer (`Linear.int8_form`). In a compiled decode step on a CPU, scratchlm's kernel for
+    up to `ROWS_AT_MOST` rows wherever it builds, called from Inductor's generated code; else, for one token,
+    the product and sum over the int8 rows, which Inductor writes as a loop converting the int8 in registers
+    (measured on a 2-core Zen 3 EPYC, AVX2, 2688 x 512, one token: that loop 1.9 ms, its int8 loads going 8
+    at a time through a slow conversion; the kernel 0.09 ms, float32's matrix-vector product 0.17)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if tracing_cpu_step(x):
+        if rows <= ROWS_AT_MOST and int8_cpu.load():
+            return int8_cpu.int8_matmul(x, weight, scale)
+        if rows == 1:
+            # One token: the product and sum over the rows, as for float weights; `x * weight` promotes the
+            # int8 in the generated loop.
+            return ((x.unsqueeze(-2) * weight).sum(-1) * scale).to(x.dtype)
+    if form == "kernel" and rows <= ROWS_AT_MOST and x.device.type == "cpu" and int8_cpu.load():
+        return int8_cpu.int8_matmul(x, weight, scale)
     tokens = x.reshape(-1, x.shape[-1])
-    if pack:
+    if form == "pack":
         y = torch.ops.aten._weight_int8pack_mm(tokens.contiguous(), weight, scale.to(x.dtype))
     else:
         y = (tokens @ weight.to(x.dtype).T) * scale.to(x.dtype)
