@@ -173,3 +173,15 @@ def test_a_layer_whose_kernel_does_not_load_dequantizes_and_the_measurement_says
     assert torch.all((y.double() - reference).abs() <= 98 * UNIT * magnitude)
     rates = rates_module.int8_gbps(CPU, torch.float32)
     assert all(rates[f"kernel_{n}"] == 0.0 < rates[f"dequantize_{n}"] for n in rates_module.INT8_TOKENS)
+
+
+def test_measuring_the_machine_never_builds_the_kernel(monkeypatch):
+    """The device profile (every command's first measurement of the machine) times the kernel only where it
+    is built already: a build would make that command wait a minute for `--quantize int8`, which it may
+    never be asked for."""
+    from scratchlm.device.rates import int8_gbps
+
+    monkeypatch.setattr(int8_cpu, "ready", lambda: False)
+    monkeypatch.setattr(int8_cpu, "load", lambda: pytest.fail("the kernel was built"))
+    rates = int8_gbps(torch.device("cpu"), torch.float32)
+    assert rates["kernel_1"] == rates["kernel_16"] == 0.0 and rates["dequantize_1"] > 0

@@ -182,7 +182,10 @@ def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     scale = (torch.rand(1024, generator=generator) / 100).to(dtype)
     kernels = {
         "pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, weight, scale),
-        "kernel": lambda x: int8_cpu.int8_matmul(x, weight, scale) if int8_cpu.load() else None,
+        # Only where it is built already (`int8_cpu.ready`): `--quantize int8` builds it at its first use.
+        "kernel": lambda x: (
+            int8_cpu.int8_matmul(x, weight, scale) if int8_cpu.ready() and int8_cpu.load() else None
+        ),
     }
     rates: dict[str, float] = {}
     for tokens in INT8_TOKENS:

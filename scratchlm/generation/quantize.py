@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from scratchlm.device.planning import Plan
 from scratchlm.errors import ScratchlmError
+from scratchlm.kernels import int8_cpu
 from scratchlm.model.layers import Embedding, Linear
 
 # The schemes `--quantize` takes (`scratchlm.cli.options`); None: the plan's precision throughout.
@@ -96,6 +97,10 @@ def quantize_weights(
             linear.weight.requires_grad_(False)
             linear.weight.data = q
         linear.weight_scale = scale.to(dtype=dtype, device=q.device)
+    if linears[0].weight.device.type == "cpu":
+        # scratchlm's int8 kernel, built now (once per machine, said when it is) rather than inside the first
+        # step that calls it; where it cannot build, the layers keep PyTorch's forms.
+        int8_cpu.load()
     return model
 
 

@@ -205,14 +205,35 @@ def failure() -> str | None:
     return reason if isinstance(reason, str) else None
 
 
+def _flags() -> list[str]:
+    return ["-O3", "-DSCRATCHLM_AVX2", "-mavx2", "-mfma"] if vector_path() else ["-O3"]
+
+
+def _name_and_directory(cpp_extension) -> tuple[str, Path]:
+    """The extension's name (its source, flags and torch version hashed in) and where its build lies."""
+    flags = _flags()
+    digest = hashlib.sha256((_SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"scratchlm_int8_{'avx2' if vector_path() else 'scalar'}_{digest}"
+    return name, _build_directory(name, cpp_extension)
+
+
+def ready() -> bool:
+    """Whether `load()` would not have to compile: loaded in this process, or built on this machine before.
+    The device profile measures the kernel only then, so that no command's first measurement of the
+    machine waits a minute for a compiler on behalf of `--quantize int8`, which may never be asked for."""
+    if "loaded" in _STATE:
+        return True
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    name, directory = _name_and_directory(cpp_extension)
+    return any(directory.glob(f"{name}*.so")) or any(directory.glob(f"{name}*.pyd"))
+
+
 def _build_and_register() -> None:
     from torch.utils import cpp_extension  # noqa: PLC0415  (imports setuptools: only where it is built)
 
-    vector = vector_path()
-    flags = ["-O3", "-DSCRATCHLM_AVX2", "-mavx2", "-mfma"] if vector else ["-O3"]
-    digest = hashlib.sha256((_SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"scratchlm_int8_{'avx2' if vector else 'scalar'}_{digest}"
-    directory = _build_directory(name, cpp_extension)
+    vector, flags = vector_path(), _flags()
+    name, directory = _name_and_directory(cpp_extension)
     directory.mkdir(parents=True, exist_ok=True)
     built = any(directory.glob(f"{name}*.so")) or any(directory.glob(f"{name}*.pyd"))
     start = time.perf_counter()
