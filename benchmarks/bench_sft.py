@@ -270,10 +270,23 @@ def compared(folder: Path, full: dict, lora: dict, rank: int, test: Conversation
             "steps": summary["steps"],
             "tokens_per_s": summary["tokens_per_s"],
             "seconds": summary["wall_time_s"],
+            "plan": plan(run),
         }
     row["points"] = 100 * (row["lora"]["exact_match"] - row["full"]["exact_match"])
     row["met"] = row["points"] >= -LORA_TARGET
     return row
+
+
+def plan(run: Path) -> str:
+    """How the run's last session executed: its plan line's precision, threads and compilation, then each
+    change of threads the load of a shared machine made during it (from `RUN/log.txt`)."""
+    lines = (run / "log.txt").read_text(encoding="utf-8").splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"(cpu|cuda|mps)[:\d]*: .* → ", line)]
+    if not starts:
+        return ""
+    shown = lines[starts[-1]].split(" → ", 1)[1].split(" (", 1)[0]
+    changes = [m.group(1) for line in lines[starts[-1] :] if (m := re.search(r"threads \d+ → (\d+)", line))]
+    return shown + "".join(f", then {n}" for n in changes)
 
 
 def print_comparison(results: dict[str, dict], rank: int) -> None:
@@ -290,6 +303,8 @@ def print_comparison(results: dict[str, dict], rank: int) -> None:
             f" {full['tokens_per_s'] or 0:>6.0f} / {lora['tokens_per_s'] or 0:<6.0f}"
             f"  {'met' if row['met'] else 'NOT MET'}"
         )
+    for name, row in results.items():
+        print(f"{name}: full ran {row['full']['plan']}; LoRA {row['lora']['plan']}")
 
 
 def write_json(path: Path, figures: dict) -> None:
