@@ -20,9 +20,10 @@ greedily; the table gives exact match, and the default's share of the sweep's be
     python benchmarks/bench_sft.py --base RUN --lora 16                  # LoRA against full fine-tuning
 
 `--lora RANK` compares instead of sweeping: on each set, full fine-tuning at its defaults, then `sft --lora RANK`
-(every block matrix adapted, `lora.targets`' default; its rate measured the same way) with the same budget,
-back to back, so that a machine busy with other work slows both alike; the table gives both exact matches, the
-difference in points, the steps and tokens/s each reached, and the target (LoRA >= full - 3 points).
+(every matrix of the base's blocks adapted, `lora.targets`' default; its rate measured the same way) with the
+same budget, back to back; the table gives both exact matches, the difference in points, the steps and tokens/s
+each reached and the threads it ran with (a machine busy with other work slows one run more than another), and
+the target (LoRA >= full - 3 points).
 
 Without `--base`, the quickstart's base is trained first (`scratchlm quickstart --minutes 5`). Each finished run
 under --out is reused; delete it to measure again. The commands run this checkout's scratchlm (PYTHONPATH).
@@ -50,7 +51,7 @@ from scratchlm.chat.tasks import conversation, exact_match, vocabulary  # noqa: 
 from scratchlm.chat.template import Message  # noqa: E402
 from scratchlm.device.host import cpu_name_and_flags  # noqa: E402
 from scratchlm.io import atomic_write  # noqa: E402
-from scratchlm.model.config import DEFAULT_TARGETS  # noqa: E402
+from scratchlm.training.config_reader import read_toml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN, TEST = 6000, 200  # the conversations of each set, as in the report that asked for this benchmark
@@ -241,7 +242,7 @@ def main() -> None:
                     "cpu": cpu,
                     "base": str(base),
                     "budget": budget,
-                    "lora": {"rank": args.lora, "targets": list(DEFAULT_TARGETS)},
+                    "lora": {"rank": args.lora},
                     "sets": results,
                 },
             )
@@ -272,6 +273,7 @@ def compared(folder: Path, full: dict, lora: dict, rank: int, test: Conversation
             "seconds": summary["wall_time_s"],
             "plan": plan(run),
         }
+    row["lora"]["targets"] = read_toml(folder / f"lora-{rank}" / "config.toml")["lora"]["targets"]
     row["points"] = 100 * (row["lora"]["exact_match"] - row["full"]["exact_match"])
     row["met"] = row["points"] >= -LORA_TARGET
     return row
@@ -290,7 +292,8 @@ def plan(run: Path) -> str:
 
 
 def print_comparison(results: dict[str, dict], rank: int) -> None:
-    print(f"full fine-tuning against LoRA rank {rank} on {', '.join(DEFAULT_TARGETS)}, each at its defaults")
+    targets = {", ".join(row["lora"]["targets"]) for row in results.values()}
+    print(f"full fine-tuning against LoRA rank {rank} on {' | '.join(sorted(targets))}, each at its defaults")
     print(
         f"{'set':<14} {'full':>7} {f'LoRA {rank}':>8} {'points':>7} {'lr full':>8} {'lr LoRA':>8}"
         f" {'steps':>11} {'tokens/s':>13}  target (>= -{LORA_TARGET:g})"
