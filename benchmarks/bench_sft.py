@@ -274,7 +274,7 @@ def compared(folder: Path, full: dict, lora: dict, rank: int, test: Conversation
             "plan": plan(run),
         }
     row["lora"]["targets"] = read_toml(folder / f"lora-{rank}" / "config.toml")["lora"]["targets"]
-    row["points"] = 100 * (row["lora"]["exact_match"] - row["full"]["exact_match"])
+    row["points"] = round(100 * (row["lora"]["exact_match"] - row["full"]["exact_match"]), 6)
     row["met"] = row["points"] >= -LORA_TARGET
     return row
 
