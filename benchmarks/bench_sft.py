@@ -270,6 +270,7 @@ def compared(folder: Path, full: dict, lora: dict, rank: int, test: Conversation
             "lr_sweep": sweep_losses(run),
             "steps": summary["steps"],
             "tokens_per_s": summary["tokens_per_s"],
+            "held_out_loss": summary["final_val_loss"],  # the assistant tokens' of the held-out conversations
             "seconds": summary["wall_time_s"],
             "plan": plan(run),
         }
