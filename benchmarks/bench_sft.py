@@ -17,15 +17,23 @@ greedily; the table gives exact match, and the default's share of the sweep's be
 
     python benchmarks/bench_sft.py --base runs/quickstart/run            # 3 sets x 5 runs of --minutes (3)
     python benchmarks/bench_sft.py --base RUN --steps 400 --sets german  # a step budget: load-independent
+    python benchmarks/bench_sft.py --base RUN --lora 16                  # LoRA against full fine-tuning
+
+`--lora RANK` compares instead of sweeping: on each set, full fine-tuning at its defaults, then `sft --lora RANK`
+(every matrix of the base's blocks adapted, `lora.targets`' default; its rate measured the same way) with the
+same budget, back to back; the table gives both exact matches, the difference in points, the steps and tokens/s
+each reached and the threads it ran with (a machine busy with other work slows one run more than another), and
+the target (LoRA >= full - 3 points).
 
 Without `--base`, the quickstart's base is trained first (`scratchlm quickstart --minutes 5`). Each finished run
-under --out is reused; delete it to measure again.
+under --out is reused; delete it to measure again. The commands run this checkout's scratchlm (PYTHONPATH).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import subprocess
@@ -43,10 +51,12 @@ from scratchlm.chat.tasks import conversation, exact_match, vocabulary  # noqa: 
 from scratchlm.chat.template import Message  # noqa: E402
 from scratchlm.device.host import cpu_name_and_flags  # noqa: E402
 from scratchlm.io import atomic_write  # noqa: E402
+from scratchlm.training.config_reader import read_toml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN, TEST = 6000, 200  # the conversations of each set, as in the report that asked for this benchmark
 TARGET = 0.90  # the default's exact match over the sweep's best
+LORA_TARGET = 3.0  # points of exact match LoRA may trail full fine-tuning by, at the same budget
 
 Conversations = list[list[Message]]
 
@@ -135,14 +145,35 @@ SETS: dict[str, Callable[[], tuple[Conversations, Conversations]]] = {
 }
 
 
+def scratchlm(*args: str) -> None:
+    """`python -m scratchlm ARGS` with this checkout's package first on the path, whatever is installed."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    subprocess.run(
+        [sys.executable, "-m", "scratchlm", *args], check=True, env=os.environ | {"PYTHONPATH": path}
+    )
+
+
 def sft(base: Path, train_file: Path, out: Path, budget: list[str], extra: list[str]) -> dict:
     """`scratchlm sft` as a user runs it (reused when it finished); its summary."""
     summary = out / "summary.json"
     if not (summary.exists() and json.loads(summary.read_text())["stopped"] != "interrupted"):
-        command = [sys.executable, "-m", "scratchlm", "sft", "--base", str(base), "--data", str(train_file)]
         resume = ["--resume"] if out.exists() else []
-        subprocess.run([*command, "--out", str(out), *budget, *extra, *resume], check=True, cwd=ROOT)
+        scratchlm(
+            "sft", "--base", str(base), "--data", str(train_file), "--out", str(out), *budget, *extra, *resume
+        )
     return json.loads(summary.read_text())
+
+
+def chosen_rate(run: Path) -> float | None:
+    """The `optimizer.lr` a run trained at (measured, unless given), from its config."""
+    chosen = re.search(r"^lr = (.+)$", (run / "config.toml").read_text(), re.M)
+    return float(chosen.group(1)) if chosen else None
+
+
+def sweep_losses(run: Path) -> dict[str, float | None]:
+    """The held-out losses of the run's rate measurement (`RUN/lr-sweep/sweep.json`); {} when it made none."""
+    sweep = run / "lr-sweep" / "sweep.json"
+    return json.loads(sweep.read_text())["losses"] if sweep.exists() else {}
 
 
 def score(run: Path, test: Conversations) -> float:
@@ -158,14 +189,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="each run's steps instead of a time budget")
     parser.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
     parser.add_argument("--rates", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2, 3e-2])
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="instead of the sweep: full fine-tuning against LoRA of this rank, both at their defaults",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
     base = args.base
     if base is None:
-        subprocess.run(
-            [sys.executable, "-m", "scratchlm", "quickstart", "--out", str(args.out / "base")], check=True
-        )
+        scratchlm("quickstart", "--out", str(args.out / "base"))
         base = args.out / "base" / "run"
     budget = (
         ["--set", f"training.max_steps={args.steps}"] if args.steps else ["--minutes", f"{args.minutes:g}"]
@@ -179,12 +214,12 @@ def main() -> None:
             write_conversations(train_file, train)
             write_conversations(test_file, test)
         default = sft(base, train_file, folder / "default", budget, [])
-        config = (folder / "default" / "config.toml").read_text()
-        chosen = re.search(r"^lr = (.+)$", config, re.M)
-        row = {
-            "default": score(folder / "default", test),
-            "default_lr": float(chosen.group(1)) if chosen else None,
-        }
+        if args.lora:
+            lora = sft(base, train_file, folder / f"lora-{args.lora}", budget, ["--lora", str(args.lora)])
+            results[name] = compared(folder, default, lora, args.lora, test)
+            print(f"{name}: {json.dumps(results[name])}", flush=True)
+            continue
+        row = {"default": score(folder / "default", test), "default_lr": chosen_rate(folder / "default")}
         row["default_steps"] = default["steps"]
         for lr in args.rates:
             sft(base, train_file, folder / f"lr-{lr:g}", budget, ["--set", f"optimizer.lr={lr}"])
@@ -198,6 +233,20 @@ def main() -> None:
     print(
         f"\nexact match on {TEST} test conversations; {cpu} ({', '.join(flags) or 'no bf16 flags'}); base {base}"
     )
+    if args.lora:
+        print_comparison(results, args.lora)
+        if args.json:
+            write_json(
+                args.json,
+                {
+                    "cpu": cpu,
+                    "base": str(base),
+                    "budget": budget,
+                    "lora": {"rank": args.lora},
+                    "sets": results,
+                },
+            )
+        return
     header = f"{'set':<14} {'default':>8} {'its lr':>7}" + "".join(f" {f'lr {lr:g}':>9}" for lr in args.rates)
     print(header + f" {'share of best':>14}")
     for name, row in results.items():
@@ -207,9 +256,65 @@ def main() -> None:
             f"{name:<14} {row['default']:>8.1%} {row['default_lr']:>7.2g}{rates} {row['share_of_best']:>9.0%} {held}"
         )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(args.json, "w") as f:
-            json.dump({"cpu": cpu, "base": str(base), "budget": budget, "sets": results}, f, indent=2)
+        write_json(args.json, {"cpu": cpu, "base": str(base), "budget": budget, "sets": results})
+
+
+def compared(folder: Path, full: dict, lora: dict, rank: int, test: Conversations) -> dict:
+    """Full fine-tuning (`folder/default`) against LoRA (`folder/lora-RANK`): exact match, rate, steps and
+    tokens/s of each, the difference in points and whether it holds the target."""
+    row: dict = {}
+    for side, run, summary in (("full", folder / "default", full), ("lora", folder / f"lora-{rank}", lora)):
+        row[side] = {
+            "exact_match": score(run, test),
+            "lr": chosen_rate(run),
+            "lr_sweep": sweep_losses(run),
+            "steps": summary["steps"],
+            "tokens_per_s": summary["tokens_per_s"],
+            "held_out_loss": summary["final_val_loss"],  # the assistant tokens' of the held-out conversations
+            "seconds": summary["wall_time_s"],
+            "plan": plan(run),
+        }
+    row["lora"]["targets"] = read_toml(folder / f"lora-{rank}" / "config.toml")["lora"]["targets"]
+    row["points"] = round(100 * (row["lora"]["exact_match"] - row["full"]["exact_match"]), 6)
+    row["met"] = row["points"] >= -LORA_TARGET
+    return row
+
+
+def plan(run: Path) -> str:
+    """How the run's last session executed: its plan line's precision, threads and compilation, then each
+    change of threads the load of a shared machine made during it (from `RUN/log.txt`)."""
+    lines = (run / "log.txt").read_text(encoding="utf-8").splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"(cpu|cuda|mps)[:\d]*: .* → ", line)]
+    if not starts:
+        return ""
+    shown = lines[starts[-1]].split(" → ", 1)[1].split(" (", 1)[0]
+    changes = [m.group(1) for line in lines[starts[-1] :] if (m := re.search(r"threads \d+ → (\d+)", line))]
+    return shown + "".join(f", then {n}" for n in changes)
+
+
+def print_comparison(results: dict[str, dict], rank: int) -> None:
+    targets = {", ".join(row["lora"]["targets"]) for row in results.values()}
+    print(f"full fine-tuning against LoRA rank {rank} on {' | '.join(sorted(targets))}, each at its defaults")
+    print(
+        f"{'set':<14} {'full':>7} {f'LoRA {rank}':>8} {'points':>7} {'lr full':>8} {'lr LoRA':>8}"
+        f" {'steps':>11} {'tokens/s':>13}  target (>= -{LORA_TARGET:g})"
+    )
+    for name, row in results.items():
+        full, lora = row["full"], row["lora"]
+        print(
+            f"{name:<14} {full['exact_match']:>7.1%} {lora['exact_match']:>8.1%} {row['points']:>+7.1f}"
+            f" {full['lr']:>8.2g} {lora['lr']:>8.2g} {full['steps']:>5} / {lora['steps']:<5}"
+            f" {full['tokens_per_s'] or 0:>6.0f} / {lora['tokens_per_s'] or 0:<6.0f}"
+            f"  {'met' if row['met'] else 'NOT MET'}"
+        )
+    for name, row in results.items():
+        print(f"{name}: full ran {row['full']['plan']}; LoRA {row['lora']['plan']}")
+
+
+def write_json(path: Path, figures: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path, "w") as f:
+        json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":

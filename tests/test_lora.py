@@ -193,6 +193,23 @@ def test_a_pretraining_config_with_lora_is_refused():
         )
 
 
+def test_without_targets_every_matrix_of_the_bases_blocks_is_adapted(chat_base):
+    """A base whose feed-forward network has no gate (ReLU², the fast recipe's, the quickstart's): `--lora`
+    alone adapts every matrix its blocks have; naming the gate `w3` it lacks is refused, naming it."""
+    from scratchlm.errors import ScratchlmError
+
+    root, _ = chat_base
+    base = chat_run(root / "relu2", context=CONTEXT, seed=0, ffn="relu2")
+    layers = load_trained(base).model.layers
+    matrices = {f"layers.{name}" for name, m in layers.named_modules() if isinstance(m, Linear)}
+    assert len(matrices) == 2 * 6 and not any(name.endswith("w3") for name in matrices)
+    train(lora_config(root, base, "relu2-lora", steps=4))
+    saved = last_checkpoint(root / "relu2-lora")
+    assert {key.removesuffix(".lora_A") for key in saved["model"] if key.endswith(".lora_A")} == matrices
+    with pytest.raises(ScratchlmError, match="'w3'"):
+        train(lora_config(root, base, "relu2-gate", "lora.targets=['q_proj', 'w3']"))
+
+
 @pytest.fixture(scope="module")
 def lora_run(chat_base):
     root, base = chat_base

@@ -212,3 +212,19 @@ def test_the_command_says_what_it_chose_and_why(bases_and_data):
     assert chosen == float(min(sweep["losses"], key=sweep["losses"].get))
     assert f"-> lr {chosen:g}" in text and "optimizer: muon, peak rates" in text
     assert TrainConfig.load(out / "config.toml").optimizer.lr == chosen
+
+
+def test_a_lora_run_measures_its_rate_with_lora_short_runs(bases_and_data):
+    """`sft --lora`: the short runs train adapters, as the run will, so the rate chosen is the adapters' own."""
+    from scratchlm.chat.rate import choose_rate
+    from scratchlm.chat.sft import sft_config
+
+    root, _, muon = bases_and_data
+    extra = ("lora.rank=4", "sft.lr_candidates=[1e-3, 3e-2]", "training.max_steps=16")
+    config = choose_rate(sft_config(None, overrides(root, muon, "lora-swept", *extra)))
+    sweep = json.loads((root / "lora-swept" / "lr-sweep" / "sweep.json").read_text())
+    for lr in ("0.001", "0.03"):
+        short = TrainConfig.load(root / "lora-swept" / "lr-sweep" / f"lr-{lr}" / "config.toml")
+        assert short.lora.rank == 4 and short.optimizer.lr == float(lr)
+    assert config.lora.rank == 4 and config.optimizer.lr == sweep["chosen"]
+    assert sweep["chosen"] == float(min(sweep["losses"], key=sweep["losses"].get))

@@ -28,7 +28,7 @@ from scratchlm.chat.conversations import ConversationBatches, encode_conversatio
 from scratchlm.chat.template import ChatTemplate, with_chat_tokens
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import ModelConfig, default_lora_targets
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -119,6 +119,8 @@ def sft_config(
     values["model"] = base_model.to_dict() | {"vocab_size": max(base_model.vocab_size, tokenizer.vocab_size)}
     values["training"]["init_from"] = config.sft.base
     values["sft"]["added_tokens"] = added
+    if "lora.targets" not in given:
+        values["lora"]["targets"] = list(default_lora_targets(base_model))
     values["optimizer"] = follow_base(values["optimizer"], base_optimizer, given)
     if "optimizer.lr" in given:
         values["sft"]["lr_chosen"] = "given"

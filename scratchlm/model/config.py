@@ -169,13 +169,21 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # lora.base_dtype's values
 
 
+def default_lora_targets(model: ModelConfig) -> tuple[str, ...]:
+    """Every matrix of `model`'s blocks, what `lora.targets` is when not given: `DEFAULT_TARGETS`, less
+    SwiGLU's gate `w3` where the feed-forward network has none (`ffn` silu or relu2, the fast recipe's)."""
+    return tuple(t for t in DEFAULT_TARGETS if t != "w3" or model.ffn == "swiglu")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """The `[lora]` section: which matrices get adapters, of what rank, and how they are scaled."""
 
     rank: int = 0  # r; 0: no adapters (full fine-tuning)
     alpha: float = 0.0  # α, the update is (α / r) B A; 0: 2 × rank (a scaling of 2 at every rank)
-    targets: tuple[str, ...] = DEFAULT_TARGETS  # the blocks' Linear names adapted
+    # The blocks' Linear names adapted; a fine-tuning stage that is not given them takes every matrix its
+    # base's blocks have (`default_lora_targets`).
+    targets: tuple[str, ...] = DEFAULT_TARGETS
     # The frozen weights' storage (the compute dtype is the plan's): "auto" holds them in 16 bits, fp16 on an
     # fp16 plan and bf16 on the others (float32 too: each weight is upcast at use); "fp32" keeps them as read.
     base_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"

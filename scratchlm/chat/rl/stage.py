@@ -47,12 +47,13 @@ from scratchlm.chat.sft import held_out_split
 from scratchlm.chat.template import ChatTemplate, JinjaChatTemplate, chat_template
 from scratchlm.console import console
 from scratchlm.errors import ScratchlmError
+from scratchlm.model.config import default_lora_targets
 from scratchlm.model.transformer import TransformerLM
 from scratchlm.run.directory import RunDirectory
 from scratchlm.run.load import load_trained
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.training.config import TrainConfig
-from scratchlm.training.config_reader import read_toml
+from scratchlm.training.config_reader import given_keys, read_toml
 from scratchlm.training.stage import Stage, TrainingData, check_run_tokenizer, register_stage
 
 # What reinforcement learning changes from pretraining's defaults: AdamW at a low rate and no weight decay (the
@@ -138,6 +139,8 @@ def rl_config(
     values = config.to_dict()
     values["model"] = base_model.to_dict()
     values["training"]["init_from"] = config.rl.base
+    if "lora.targets" not in given_keys(path, overrides, flags):
+        values["lora"]["targets"] = list(default_lora_targets(base_model))
     return TrainConfig.from_dict(values, source)
 
 
