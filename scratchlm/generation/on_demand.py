@@ -28,6 +28,7 @@ measuring the steady state).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from scratchlm.generation.decode import Decoder, bucket, compile_traced
 from scratchlm.model.transformer import TransformerLM
 
 Key = tuple[int, int, int]  # the bucket of rows, the window, the threads
+SWITCH_INTERVAL = 2e-4  # seconds: the switch interval while a step compiles beside the steps (`_start`)
 MEASURED_STEPS = (
     3  # compiled and eager steps timed at a compiled step's first use: the fastest of each counts
 )
@@ -96,13 +98,25 @@ class OnDemandDecoder(Decoder):
                 self._start(tokens, window)
             ready = [w for w in self._windows[size] if w >= window and (size, w, threads) in self._steps]
             if not ready:
-                return self.eager_step(tokens)
+                return self._eager_beside_compilation(tokens, threads)
             window = ready[0]
         if (size, window, threads) in self._unmeasured:
             self._measure(tokens, window)
             if size in self.eager_buckets:
                 return self.eager_step(tokens)
         return self.compiled_step(tokens, window)
+
+    def _eager_beside_compilation(self, tokens: Int[Tensor, " rows"], threads: int) -> Tensor:
+        """The eager step, on one thread fewer while a compilation takes a core: threads that wait for each
+        other at every operation's end lose most where one of them shares its core (a 30-layer step on 2
+        threads beside a compilation took several times as long as on 1)."""
+        if self._in_flight is None or self._in_flight[1].done() or threads < 2:
+            return self.eager_step(tokens)
+        torch.set_num_threads(threads - 1)
+        try:
+            return self.eager_step(tokens)
+        finally:
+            torch.set_num_threads(threads)
 
     def _start(self, tokens: Int[Tensor, " rows"], window: int) -> None:
         """Trace and compile the step the rows need now, in a thread of its own."""
@@ -116,11 +130,18 @@ class OnDemandDecoder(Decoder):
         shape = self._shape(size, window)
 
         def compile_it() -> None:
+            # Tracing and Inductor's code generation are Python that holds the interpreter's lock; each
+            # operation of an eager step waits for it, up to the switch interval, so a shorter interval
+            # keeps the steps beside a compilation moving (the default 5 ms made a 30-layer step 15x slower).
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL)
             try:
                 step = compile_traced(self._trace(size, window, fake=True), threads)
             except BaseException as e:  # reported by the serving thread, which goes on eagerly
                 done.set_exception(e)
                 return
+            finally:
+                sys.setswitchinterval(interval)
             seconds = time.perf_counter() - start
             self.announce(f"compiled the decode step for {shape} in {seconds:.1f} s")
             done.set_result((step, seconds))
