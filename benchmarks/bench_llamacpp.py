@@ -43,6 +43,7 @@ from source with CMake (about 8 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -50,6 +51,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import weight_bytes_per_token
+from bench_lora import SMOLLM_135M
 
 from scratchlm.device import plan
 from scratchlm.device.profile import device_profile
@@ -73,16 +75,8 @@ SHAPES = {
     "tinystories": ModelConfig(
         vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344
     ),
-    "deep": ModelConfig(
-        vocab_size=49_152,
-        context_length=8_192,
-        d_model=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        d_ff=1_536,
-        tie_embeddings=True,
-    ),
+    # SmolLM-135M's shape (`bench_lora`'s), at its 8,192 positions.
+    "deep": dataclasses.replace(SMOLLM_135M, context_length=8_192),
 }
 # The rows' precisions: (scratchlm's name, the GGUF file's dtype, scratchlm's `--quantize`, the plan's precision).
 PRECISIONS = {
