@@ -12,9 +12,10 @@ would keep a server silent for minutes. So `OnDemandDecoder`
                          writes nothing of the cache the steps go on using; tracing a 30-layer step takes tens
                          of seconds), then compiled by Inductor; the step is used from the first step after it
                          is done. One compilation at a time: a step that still needs its own asks again
-                         later. On a GPU, where a step compiles
-                         through `torch.compile` at its first call, and where `background` is off (tests), it
-                         compiles at once, in the serving thread;
+                         later. Meanwhile the eager steps run on one thread fewer and the interpreter switches
+                         threads more often, so that the compilation slows them less. On a GPU, where a step
+                         compiles through `torch.compile` at its first call, and where `background` is off
+                         (tests, benchmarks), a step compiles at once, in the serving thread;
     keeps what pays      the first use of each compiled step times it against the eager step at the same rows
                          and lengths (a few of each; the rows' lengths are put back after, and the slots they
                          wrote are written again by the next step); where it is not `MIN_GAIN` times faster,
@@ -45,9 +46,8 @@ from scratchlm.model.transformer import TransformerLM
 
 Key = tuple[int, int, int]  # the bucket of rows, the window, the threads
 SWITCH_INTERVAL = 2e-4  # seconds: the switch interval while a step compiles beside the steps (`_start`)
-MEASURED_STEPS = (
-    3  # compiled and eager steps timed at a compiled step's first use: the fastest of each counts
-)
+# Compiled and eager steps timed at a compiled step's first use: the fastest of each counts.
+MEASURED_STEPS = 3
 
 
 class OnDemandDecoder(Decoder):
@@ -108,8 +108,8 @@ class OnDemandDecoder(Decoder):
 
     def _eager_beside_compilation(self, tokens: Int[Tensor, " rows"], threads: int) -> Tensor:
         """The eager step, on one thread fewer while a compilation takes a core: threads that wait for each
-        other at every operation's end lose most where one of them shares its core (a 30-layer step on 2
-        threads beside a compilation took several times as long as on 1)."""
+        other at every operation's end lose most where one of them shares its core (a 30-layer model's
+        first answer of 16 tokens, beside its compilation on a 2-core Zen 3: 12.6 s so, 14.8 s on both)."""
         if self._in_flight is None or self._in_flight[1].done() or threads < 2:
             return self.eager_step(tokens)
         torch.set_num_threads(threads - 1)
@@ -132,7 +132,8 @@ class OnDemandDecoder(Decoder):
         def compile_it() -> None:
             # Tracing and Inductor's code generation are Python that holds the interpreter's lock; each
             # operation of an eager step waits for it, up to the switch interval, so a shorter interval
-            # keeps the steps beside a compilation moving (the default 5 ms made a 30-layer step 15x slower).
+            # keeps the steps beside a compilation moving (with the default 5 ms a 30-layer model's first answer
+            # took 17 s instead of about 1; 0.2 ms and one thread fewer, 12.6 s).
             interval = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL)
             try:
