@@ -60,7 +60,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from scratchlm.model.kv_cache import WholeWindowKVCache, decode_dtype
-from scratchlm.model.layers import hold_rows_for_decoding, tracing_step
+from scratchlm.model.layers import check_stacks, hold_rows_for_decoding, tracing_step
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -136,6 +136,7 @@ def trace_on_cpu(
     does. A fake trace runs on a copy of the model's modules that shares its tensors: `functional_call`
     puts the graph's inputs in the place of the parameters while it traces, and the steps running beside it
     must go on reading the real ones."""
+    check_stacks(model)  # on the real tensors: a stack whose weights left it is not traced
     module = _DecodeStep(_sharing_tensors(model) if fake else model)
     named = dict(module.named_parameters()) | dict(module.named_buffers())
     names, weights = list(named), list(named.values())

@@ -206,18 +206,41 @@ class LinearStack:
                 linear.weight_scale = scale
         self._addresses = [linear.weight.data_ptr() for linear in self.linears]
 
-    def __call__(self, x: Float[Tensor, "... d_in"]) -> tuple[Float[Tensor, "... d_out"], ...]:
-        # A compiled step (`scratchlm.generation.decode`) calls each matrix directly, with no Python between
-        # the calls: the stack saves nothing there, and its address check cannot be traced.
-        if self.weight is not None and not torch.is_grad_enabled() and not in_compiled_step():
-            if [linear.weight.data_ptr() for linear in self.linears] == self._addresses:
-                if self.scale is None:
-                    y = x @ self.weight.T
-                else:
-                    y = int8_matmul(x, self.weight, self.scale, self.int8_form)
-                return y.split([linear.out_features for linear in self.linears], dim=-1)
+    def holds_its_weights(self) -> bool:
+        """Whether the stack is fused and every `Linear`'s weight still lies in it; a stack whose weights have
+        left it (moved, replaced) is let go here."""
+        if self.weight is not None and [lin.weight.data_ptr() for lin in self.linears] != self._addresses:
             self.weight = None  # a weight has left the stack: free it
+        return self.weight is not None
+
+    def __call__(self, x: Float[Tensor, "... d_in"]) -> tuple[Float[Tensor, "... d_out"], ...]:
+        sizes = [linear.out_features for linear in self.linears]
+        if torch.is_grad_enabled():
+            return tuple(linear(x) for linear in self.linears)
+        if tracing_cpu_step(x):
+            # A compiled CPU step (`scratchlm.generation.decode`), traced after `check_stacks`: float matrices
+            # one by one (Inductor writes their loops, the stack would save nothing); an int8 stack in one
+            # call of the kernel, an extern call each, whose overhead the stack pays once (17 calls a step of
+            # the TinyStories shape rather than 29). The stack and its scales are the graph's constants.
+            rows = x.numel() // max(1, x.shape[-1])
+            if self.weight is not None and self.scale is not None and rows <= ROWS_AT_MOST:
+                return int8_matmul(x, self.weight, self.scale).split(sizes, dim=-1)
+        elif not in_compiled_step() and self.holds_its_weights():
+            assert self.weight is not None
+            if self.scale is None:
+                y = x @ self.weight.T
+            else:
+                y = int8_matmul(x, self.weight, self.scale, self.int8_form)
+            return y.split(sizes, dim=-1)
         return tuple(linear(x) for linear in self.linears)
+
+
+def check_stacks(model: nn.Module) -> None:
+    """Let go every `LinearStack` of `model` whose weights have left it (`LinearStack.holds_its_weights`):
+    called before a step is traced, where the stacks' addresses cannot be read (fake tensors)."""
+    for module in model.modules():
+        for stack in [value for value in vars(module).values() if isinstance(value, LinearStack)]:
+            stack.holds_its_weights()
 
 
 def is_wide(matrix: Tensor) -> bool:
