@@ -19,7 +19,14 @@ import copy
 import pytest
 import torch
 from test_precision import assert_same_greedy
-from test_quantize import OpsRun, StackAndHead, brute_force, profile_with_int8
+from test_quantize import (
+    OpsRun,
+    StackAndHead,
+    activation_rounding,
+    blocks_of_32,
+    brute_force,
+    profile_with_int8,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -68,6 +75,83 @@ def test_the_kernel_equals_the_brute_force_product(threads, rows, d_in, d_out):
     assert torch.all((y.double() - reference).abs() <= (d_in + 2) * UNIT * magnitude)
 
 
+def q8_brute_force(x, q, scale):
+    """The int8 x int8 product in float64: per block the exact integer dot product times the block's scale,
+    summed, times the row's scale; and the magnitudes (the same with |q|, |w|) that bound float rounding."""
+    qx, d = blocks_of_32(x)
+    rows, blocks, _ = qx.shape
+    w = torch.zeros(q.shape[0], blocks * 32, dtype=torch.float64)
+    w[:, : q.shape[1]] = q.double()
+    w = w.view(-1, blocks, 32)
+    dots = torch.einsum("mbi,jbi->mjb", qx, w)  # integers, exact in float64
+    magnitudes = torch.einsum("mbi,jbi->mjb", qx.abs(), w.abs())
+    s, db = scale.double(), d.double()[:, None, :]
+    return (dots * db).sum(-1) * s, (magnitudes * db).sum(-1) * s
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(("d_in", "d_out"), [(512, 2688), (1344, 512), (100, 37), (31, 20)])
+def test_the_int8_by_int8_form_equals_its_brute_force_product(threads, rows, d_in, d_out):
+    q, scale = quantized(d_out, d_in, seed=d_in + rows)
+    x = torch.randn(rows, d_in, generator=torch.Generator().manual_seed(rows)) * 3
+    if d_in > 32:
+        x[0, :32] = 0.0  # an all-zero block (d = 0)
+    y = int8_cpu.int8_matmul_q8(x, q, scale)
+    reference, magnitude = q8_brute_force(x, q, scale)
+    blocks = -(-d_in // 32)
+    assert y.shape == (rows, d_out) and y.dtype == torch.float32
+    assert torch.all((y.double() - reference).abs() <= (blocks + 12) * UNIT * magnitude)
+    # Against the float product: the activations' rounding adds at most d / 2 an activation, that is
+    # s_j Σ_blocks (d_b / 2) Σ_i |q_ji|, as the module docstring says.
+    exact, float_magnitude = brute_force(x, q, scale)
+    bound = activation_rounding(x, q, scale) + (d_in + blocks + 12) * UNIT * float_magnitude
+    assert torch.all((y.double() - exact).abs() <= bound)
+    assert torch.any((y.double() - exact).abs() > (d_in + 2) * UNIT * float_magnitude)  # it is the q8 form
+
+
+def test_the_layers_take_the_int8_by_int8_form_up_to_its_rows():
+    q, scale = quantized(40, 96, seed=5)
+    for rows in range(1, 5):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        y = int8_matmul(x, q, scale, "kernel")
+        expected = int8_cpu.int8_matmul_q8 if rows <= int8_cpu.Q8_ROWS_AT_MOST else int8_cpu.int8_matmul
+        assert torch.equal(y, expected(x, q, scale)), rows
+        assert torch.equal(y, int8_cpu.matmul(x, q, scale))
+
+
+SCALAR = """
+import sys, torch
+from scratchlm.kernels import int8_cpu
+int8_cpu.vector_path = lambda: False
+assert int8_cpu.load(), int8_cpu.failure()
+x, q, scale = torch.load(sys.argv[1])
+torch.save([int8_cpu.int8_matmul_q8(x, q, scale), int8_cpu.int8_matmul(x, q, scale)], sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not int8_cpu.vector_path(), reason="this CPU runs the scalar form already")
+def test_the_scalar_form_computes_what_the_avx2_form_does(tmp_path):
+    """Built without the intrinsics (in a process of its own: the operators are registered once a process),
+    both forms give the AVX2 forms' products up to float rounding: the same quantized maths."""
+    import subprocess
+    import sys
+
+    q, scale = quantized(37, 100, seed=6)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(6))
+    torch.save([x, q, scale], tmp_path / "io.pt")
+    subprocess.run([sys.executable, "-c", SCALAR, str(tmp_path / "io.pt")], check=True)
+    q8, plain = torch.load(tmp_path / "io.pt")
+    _, magnitude = q8_brute_force(x, q, scale)
+    assert torch.all(
+        (q8.double() - int8_cpu.int8_matmul_q8(x, q, scale).double()).abs() <= 30 * UNIT * magnitude
+    )
+    _, magnitude = brute_force(x, q, scale)
+    assert torch.all(
+        (plain.double() - int8_cpu.int8_matmul(x, q, scale).double()).abs() <= 204 * UNIT * magnitude
+    )
+
+
 def test_leading_dimensions_and_bf16_activations():
     q, scale = quantized(260, 100, seed=1)
     x = torch.randn(2, 3, 100, generator=torch.Generator().manual_seed(2))
@@ -90,13 +174,20 @@ def test_the_fake_implementation_gives_the_shape_and_make_fx_traces_the_op():
         assert y.shape == (4, 1, 40) and y.dtype == torch.float32
         yb = int8_cpu.int8_matmul(x.bfloat16(), torch.empty(40, 96, dtype=torch.int8), torch.empty(40))
         assert yb.dtype == torch.bfloat16
+        yq = int8_cpu.int8_matmul_q8(x, torch.empty(40, 96, dtype=torch.int8), torch.empty(40))
+        assert yq.shape == (4, 1, 40) and yq.dtype == torch.float32
     q, scale = quantized(40, 96, seed=3)
     for rows, traced in ((1, True), (16, True), (17, False)):
         x = torch.randn(rows, 1, 96)
         with tracing_step():
             graph = make_fx(lambda x, q, s: int8_matmul(x, q, s), tracing_mode="fake")(x, q, scale)
         names = {str(node.target) for node in graph.graph.nodes}
-        assert ("scratchlm.int8_matmul.default" in names) == traced, (rows, names)
+        op = (
+            "scratchlm.int8_matmul_q8.default"
+            if rows <= int8_cpu.Q8_ROWS_AT_MOST
+            else "scratchlm.int8_matmul.default"
+        )
+        assert (op in names) == traced, (rows, names)
 
 
 def test_the_compiled_step_gives_the_eager_int8_models_greedy_tokens():
@@ -108,13 +199,13 @@ def test_the_compiled_step_gives_the_eager_int8_models_greedy_tokens():
     eager = generate(int8, prompt, 20, temperature=0.0, compile=False)
     compiled = generate(int8, prompt, 20, temperature=0.0, compile=True)
     assert len(set(eager)) > 3
-    assert_same_greedy(int8, prompt, eager, "fp32")
-    assert_same_greedy(int8, prompt, compiled, "fp32")
+    assert_same_greedy(int8, prompt, eager, "int8")
+    assert_same_greedy(int8, prompt, compiled, "int8")
     options = SamplingOptions(max_new_tokens=12, temperature=0.0)
     prompts = [prompt, [7, 8, 9], [200, 1]]
     batched = generate_batch(int8, [SequenceRequest(p, options) for p in prompts], eos_id=None)
     for p, tokens in zip(prompts, batched, strict=True):
-        assert_same_greedy(int8, p, tokens, "fp32")
+        assert_same_greedy(int8, p, tokens, "int8")
 
 
 # fp32 int8 rates, GB/s: scratchlm's kernel the fastest (as measured on a 2-core AVX2 EPYC), and not built.
@@ -150,12 +241,20 @@ def test_the_plan_chooses_the_kernel_where_it_is_fastest_and_the_layers_run_it(r
         x = torch.randn(2, tokens, 96, generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad(), OpsRun() as ops:
             outputs = [*model.stack(x), model.head(x)]
-        assert ("int8_matmul" in ops.names) == (kernel and expected == "kernel"), (tokens, ops.names)
+        q8 = kernel and expected == "kernel" and 2 * tokens <= int8_cpu.Q8_ROWS_AT_MOST
+        ran = "int8_matmul_q8" if q8 else "int8_matmul"
+        assert (ran in ops.names) == (kernel and expected == "kernel"), (tokens, ops.names)
         for y, linear in zip(outputs, [model.a, model.b, model.head], strict=True):
             w = dequantize(linear.weight, linear.weight_scale).double()
             reference = torch.nn.functional.linear(x.double(), w)
             magnitude = torch.nn.functional.linear(x.double().abs(), w.abs())
-            assert torch.all((y.double() - reference).abs() <= (96 + 2) * UNIT * magnitude)
+            bound = (96 + 2) * UNIT * magnitude
+            if (
+                q8
+            ):  # the activations' rounding too (test_the_int8_by_int8_form_equals_its_brute_force_product)
+                rounding = activation_rounding(x, linear.weight, linear.weight_scale).view(y.shape)
+                bound = bound + rounding + 15 * UNIT * magnitude
+            assert torch.all((y.double() - reference).abs() <= bound)
 
 
 def test_a_layer_whose_kernel_does_not_load_dequantizes_and_the_measurement_says_zero(monkeypatch):
@@ -164,11 +263,11 @@ def test_a_layer_whose_kernel_does_not_load_dequantizes_and_the_measurement_says
     x = torch.randn(1, 96)
     with OpsRun() as ops:
         int8_matmul(x, q, scale, "kernel")
-    assert "int8_matmul" in ops.names
+    assert "int8_matmul_q8" in ops.names
     monkeypatch.setattr(int8_cpu, "load", lambda: False)
     with OpsRun() as ops:
         y = int8_matmul(x, q, scale, "kernel")
-    assert "int8_matmul" not in ops.names
+    assert not any(name.startswith("int8_matmul") for name in ops.names)
     reference, magnitude = brute_force(x, q, scale)
     assert torch.all((y.double() - reference).abs() <= 98 * UNIT * magnitude)
     rates = rates_module.int8_gbps(CPU, torch.float32)

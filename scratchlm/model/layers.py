@@ -298,13 +298,13 @@ def int8_matmul(
     rows = x.numel() // max(1, x.shape[-1])
     if tracing_cpu_step(x):
         if rows <= ROWS_AT_MOST and int8_cpu.load():
-            return int8_cpu.int8_matmul(x, weight, scale)
+            return int8_cpu.matmul(x, weight, scale)
         if rows == 1:
             # One token: the product and sum over the rows, as for float weights; `x * weight` promotes the
             # int8 in the generated loop.
             return ((x.unsqueeze(-2) * weight).sum(-1) * scale).to(x.dtype)
     if form == "kernel" and rows <= ROWS_AT_MOST and x.device.type == "cpu" and int8_cpu.load():
-        return int8_cpu.int8_matmul(x, weight, scale)
+        return int8_cpu.matmul(x, weight, scale)
     tokens = x.reshape(-1, x.shape[-1])
     if form == "pack":
         y = torch.ops.aten._weight_int8pack_mm(tokens.contiguous(), weight, scale.to(x.dtype))
