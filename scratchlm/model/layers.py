@@ -286,8 +286,9 @@ def int8_matmul(
     `scratchlm.generation.quantize`), in `x`'s dtype, without a float copy of the weight where it can be
     helped: the scale factors out of each row's dot product, `y_j = scale_j · Σ_i x_i weight_ji`.
 
-    Eagerly, as `form` says: "kernel", scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu`) for up to
-    `ROWS_AT_MOST` rows of activations; "pack", PyTorch's `aten._weight_int8pack_mm`; "dequantize" (and
+    Eagerly, as `form` says: "kernel", scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu.matmul`) for up to
+    `ROWS_AT_MOST` rows of activations (up to `Q8_ROWS_AT_MOST` rows its int8 x int8 form, which quantizes the
+    activations per block of 32 as llama.cpp's Q8_0 does, adding their rounding to the weights'); "pack", PyTorch's `aten._weight_int8pack_mm`; "dequantize" (and
     "kernel" beyond its rows: prefill), the weight dequantized into a matmul. Which is faster depends on the
     CPU and the dtype, so the device plan measures them and chooses (`Plan.int8_matmul`), and the layout hands
     the choice to each layer (`Linear.int8_form`). In a compiled decode step on a CPU, scratchlm's kernel for
