@@ -18,12 +18,11 @@ import copy
 
 import pytest
 import torch
+from int8_reference import activation_rounding, blocks_of_32
 from test_precision import assert_same_greedy
 from test_quantize import (
     OpsRun,
     StackAndHead,
-    activation_rounding,
-    blocks_of_32,
     brute_force,
     profile_with_int8,
 )
