@@ -90,6 +90,56 @@ def test_an_unknown_target_is_named():
         apply_lora(model, Adapters(LoRAConfig(4, targets=("q_proj", "qkv"))))
 
 
+HEAD_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "lm_head")
+
+
+@pytest.mark.parametrize("base_dtype", [None, torch.bfloat16])
+def test_an_adapted_head_trains_through_the_fused_loss_as_a_dense_reference(base_dtype):
+    """The head's adapter in the training loss (the fused head and loss, which never makes the logits) against
+    F.cross_entropy over `softcap(x (W + s B A)ᵀ)` made densely: the same loss and the same gradients for A and
+    B, with the base's head in float32 and stored in bf16."""
+    config = ModelConfig(**(TINY.__dict__ | {"logit_softcap": 15.0}))
+    torch.manual_seed(0)
+    model = TransformerLM(config)
+    apply_lora(model, Adapters(LoRAConfig(4, targets=HEAD_TARGETS)), base_dtype=base_dtype)
+    head = model.lm_head
+    with torch.no_grad():
+        head.lora_B.normal_(std=0.5)
+    ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    loss = model(ids, targets=targets)
+    loss.backward()
+    hidden = {}
+    model.ln_final.register_forward_hook(lambda _m, _i, out: hidden.setdefault("x", out.detach()))
+    model(ids)
+    a, b = (t.detach().clone().requires_grad_() for t in (head.lora_A, head.lora_B))
+    logits = F.linear(hidden["x"], head.weight.detach().float() + head.scaling * (b @ a))
+    expected = F.cross_entropy((15.0 * torch.tanh(logits / 15.0)).flatten(0, 1), targets.flatten())
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.lora_A.grad, a.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.lora_B.grad, b.grad, rtol=1e-4, atol=1e-6)
+    assert head.weight.grad is None and head.lora_B.grad.abs().sum() > 0
+
+
+def test_an_adapted_head_merges_and_a_tied_head_is_refused():
+    from scratchlm.errors import ScratchlmError
+
+    torch.manual_seed(0)
+    model = TransformerLM(TINY)
+    apply_lora(model, Adapters(LoRAConfig(4, targets=HEAD_TARGETS)))
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.normal_(std=0.1)
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    before = model(ids)
+    assert merge_lora(model) == 7 * TINY.num_layers + 1
+    torch.testing.assert_close(model(ids), before, rtol=1e-5, atol=1e-5)
+    tied = TransformerLM(ModelConfig(**(TINY.__dict__ | {"tie_embeddings": True})))
+    with pytest.raises(ScratchlmError, match="'lm_head'.*tied"):
+        apply_lora(tied, Adapters(LoRAConfig(4, targets=HEAD_TARGETS)))
+
+
 @pytest.fixture(scope="module")
 def chat_base(tmp_path_factory):
     """A tiny chat run (its tokenizer has the chat tokens) and built-in conversations."""
@@ -195,7 +245,8 @@ def test_a_pretraining_config_with_lora_is_refused():
 
 def test_without_targets_every_matrix_of_the_bases_blocks_is_adapted(chat_base):
     """A base whose feed-forward network has no gate (ReLU², the fast recipe's, the quickstart's): `--lora`
-    alone adapts every matrix its blocks have; naming the gate `w3` it lacks is refused, naming it."""
+    alone adapts every matrix its blocks have, and its head (untied here); naming the gate `w3` it lacks is
+    refused, naming it."""
     from scratchlm.errors import ScratchlmError
 
     root, _ = chat_base
@@ -205,7 +256,10 @@ def test_without_targets_every_matrix_of_the_bases_blocks_is_adapted(chat_base):
     assert len(matrices) == 2 * 6 and not any(name.endswith("w3") for name in matrices)
     train(lora_config(root, base, "relu2-lora", steps=4))
     saved = last_checkpoint(root / "relu2-lora")
-    assert {key.removesuffix(".lora_A") for key in saved["model"] if key.endswith(".lora_A")} == matrices
+    assert not load_trained(base).model.config.tie_embeddings
+    assert {key.removesuffix(".lora_A") for key in saved["model"] if key.endswith(".lora_A")} == matrices | {
+        "lm_head"
+    }
     with pytest.raises(ScratchlmError, match="'w3'"):
         train(lora_config(root, base, "relu2-gate", "lora.targets=['q_proj', 'w3']"))
 
@@ -228,14 +282,24 @@ def unmerged(run, base) -> TransformerLM:
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def head_run(chat_base):
+    """A LoRA run with an adapter on the head too and the token embeddings trained whole (`lora.train`)."""
+    root, base = chat_base
+    targets = "lora.targets=['q_proj','k_proj','v_proj','output_proj','w1','w2','w3','lm_head']"
+    train(lora_config(root, base, "head", targets, "lora.train=['token_embeddings']"))
+    return root / "head", base
+
+
+@pytest.mark.parametrize("which", ["lora_run", "head_run"])
 def test_peft_loads_the_exported_adapter_onto_the_base_export_with_the_same_logits(
-    lora_run, tmp_path, capsys
+    which, request, tmp_path, capsys
 ):
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     import peft
 
-    run, base = lora_run
+    run, base = request.getfixturevalue(which)
     status, _, err = run_cli(
         ["export", "--run", str(base), "--format", "hf", "--out", str(tmp_path / "hf")], capsys
     )
@@ -246,6 +310,8 @@ def test_peft_loads_the_exported_adapter_onto_the_base_export_with_the_same_logi
     assert status == 0, err + out
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
+    if which == "head_run":
+        assert "lm_head" in config["target_modules"] and config["modules_to_save"] == ["embed_tokens"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "a")).float().eval()
     ids = torch.randint(0, 200, (2, 24))

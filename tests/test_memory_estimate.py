@@ -143,18 +143,26 @@ def test_state_bytes_equal_the_tensors_of_a_real_step(case, precision):
     assert state_bytes(optimizer) == est.optimizer_state
 
 
-@pytest.mark.parametrize("targets", [LoRAConfig().targets, ("q_proj", "v_proj", "w2")])
+@pytest.mark.parametrize(
+    ("targets", "tables"),
+    [
+        (LoRAConfig().targets, ()),
+        (("q_proj", "v_proj", "w2"), ()),
+        ((*LoRAConfig().targets, "lm_head"), ("token_embeddings", "value_embeddings")),
+    ],
+)
 @pytest.mark.parametrize(("precision", "stored"), [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")])
 @pytest.mark.parametrize("case", ["adamw", "sgd", "muon"])
-def test_lora_state_bytes_equal_the_tensors_of_a_real_adapted_step(case, precision, stored, targets):
+def test_lora_state_bytes_equal_the_tensors_of_a_real_adapted_step(case, precision, stored, targets, tables):
     """A model adapted as a LoRA run adapts it (its frozen matrices stored as `lora.base_dtype` says, a bf16
-    base on a float32 plan too) and one step: the bytes of every parameter, frozen and trained, of the trained
-    ones' gradients and of the optimizer's state are exactly the estimate's; the frozen ones have no
-    gradient."""
+    base on a float32 plan too; an adapter on the head and tables trained whole too) and one step: the bytes
+    of every parameter, frozen and trained, of the trained ones' gradients and of the optimizer's state are
+    exactly the estimate's; the frozen ones have no gradient."""
     config, optimizer_config = MEASURED[case]
-    # the fast recipe's ReLU² feed-forward has no gate w3 to adapt
+    # the fast recipe's ReLU² feed-forward has no gate w3 to adapt; only the fast recipe has value embeddings
     adapted = tuple(t for t in targets if t != "w3" or config.ffn == "swiglu")
-    lora = LoRAConfig(rank=4, targets=adapted, base_dtype=stored)
+    train = tuple(t for t in tables if t != "value_embeddings" or config.value_embeddings)
+    lora = LoRAConfig(rank=4, targets=adapted, base_dtype=stored, train=train)
     torch.manual_seed(0)
     model = TransformerLM.from_config(config)
     apply_lora(model, Adapters(lora), base_dtype={"fp32": None, "bf16": torch.bfloat16}[stored])
@@ -166,6 +174,7 @@ def test_lora_state_bytes_equal_the_tensors_of_a_real_adapted_step(case, precisi
     assert all(p.dtype == torch.float32 for p in vectors)
     bits = {"fp32": torch.float32, "bf16": torch.bfloat16}[stored]
     assert all(p.dtype == bits for p in frozen if p.dim() == 2)
+    assert all(p.dtype == torch.float32 for p in trained)
     est = lora_memory(config, lora, optimizer_config.name, precision, 2, 1, 1, False)
     assert tensor_bytes(trained) + tensor_bytes(frozen) == est.parameters
     assert tensor_bytes(p.grad for p in trained) == est.gradients == 4 * sum(p.numel() for p in trained)

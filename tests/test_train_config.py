@@ -46,6 +46,7 @@ def test_resolved_toml_reads_back_to_the_same_config():
     expected = config.to_dict()  # TOML has lists where the config has tuples
     expected["optimizer"]["betas"] = [0.9, 0.999]
     expected["lora"]["targets"] = list(expected["lora"]["targets"])
+    expected["lora"]["train"] = list(expected["lora"]["train"])
     assert tomllib.loads(text) == expected
     assert TrainConfig.from_dict(tomllib.loads(text)) == config
     assert list(expected)[0] == "data" and "sft" not in expected  # one stage's section: pretraining's

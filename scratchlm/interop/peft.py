@@ -3,7 +3,9 @@
     adapter_model.safetensors   `base_model.model.<transformers' name of the matrix>.lora_A.weight` (r, in) and
                                 `...lora_B.weight` (out, r), in float32
     adapter_config.json         peft_type LORA, r, lora_alpha, target_modules (transformers' names: q_proj,
-                                k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), no dropout, no bias
+                                k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head), no dropout, no
+                                bias; modules_to_save: the tables trained whole (`lora.train`: embed_tokens,
+                                lm_head), saved whole as `base_model.model.<name>.weight`
 
 peft computes `W x + (lora_alpha / r) B A x`, scratchlm's update exactly. The one layout difference is the
 base's: the transformers export permutes the rows of W_Q and W_K from RoPE's adjacent pairs to halves
@@ -49,7 +51,10 @@ def export_peft(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
     architecture, _ = check_export(trained, (PeftAdapter,), dtype, dtypes=("f32",))
     checkpoint = read_any(trained.checkpoint)
     adapters = Adapters.from_dict(checkpoint.lora)
-    others = [key for key in checkpoint.model if not key.endswith((".lora_A", ".lora_B"))]
+    whole = {key for key in checkpoint.model if key.split(".")[0] in adapters.config.train}
+    others = [
+        key for key in checkpoint.model if not key.endswith((".lora_A", ".lora_B")) and key not in whole
+    ]
     if others:
         raise ScratchlmError(
             f"--format peft: {trained.checkpoint} also trained {others[0]} (the vocabulary grew from its base's), "
@@ -57,14 +62,20 @@ def export_peft(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
         )
     config, names = trained.model.config, PeftAdapter(trained.model.config)
     heads = {"attn.q_proj": config.num_heads, "attn.k_proj": config.kv_heads}
-    tensors, modules = {}, set()
+    tensors, modules, saved = {}, set(), set()
     for key, tensor in checkpoint.model.items():
-        stem, factor = key.rsplit(".", 1)  # "layers.3.attn.q_proj", "lora_B"
+        if key in whole:
+            # A table trained whole (`lora.train`): peft's `modules_to_save`, the whole tensor under its name.
+            theirs = names.external_name(key)
+            tensors[f"base_model.model.{theirs}"] = tensor.to(DTYPES[dtype]).contiguous()
+            saved.add(theirs.removesuffix(".weight").rsplit(".", 1)[-1])
+            continue
+        stem, factor = key.rsplit(".", 1)  # "layers.3.attn.q_proj", "lora_B"; "lm_head", "lora_A"
         theirs = names.external_name(f"{stem}.weight").removesuffix(".weight")
-        if factor == "lora_B" and (rotated := heads.get(stem.split(".", 2)[2])) is not None:
+        if factor == "lora_B" and (rotated := heads.get(stem.split(".", 2)[-1])) is not None:
             tensor = pairs_to_halves(tensor, rotated)
         tensors[f"base_model.model.{theirs}.{factor}.weight"] = tensor.to(DTYPES[dtype]).contiguous()
-        modules.add(theirs.rsplit(".", 1)[1])
+        modules.add(theirs.rsplit(".", 1)[-1])
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -77,6 +88,7 @@ def export_peft(trained: TrainedModel, out: str | os.PathLike, dtype: str = "f32
         "fan_in_fan_out": False,
         "inference_mode": True,
         "use_rslora": False,
+        "modules_to_save": sorted(saved) or None,
     }
     safetensors_torch = require("safetensors.torch")
     with atomic_directory(out, PEFT_EXPORT_KIND) as tmp:

@@ -167,12 +167,18 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"
 
 
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # lora.base_dtype's values
+# What `lora.train` may name: the model's tables by their parameters' leading name.
+TRAINABLE_TABLES = ("token_embeddings", "value_embeddings", "lm_head")
 
 
 def default_lora_targets(model: ModelConfig) -> tuple[str, ...]:
-    """Every matrix of `model`'s blocks, what `lora.targets` is when not given: `DEFAULT_TARGETS`, less
-    SwiGLU's gate `w3` where the feed-forward network has none (`ffn` silu or relu2, the fast recipe's)."""
-    return tuple(t for t in DEFAULT_TARGETS if t != "w3" or model.ffn == "swiglu")
+    """What `lora.targets` is when not given: every matrix of `model`'s blocks (`DEFAULT_TARGETS`, less
+    SwiGLU's gate `w3` where the feed-forward network has none: `ffn` silu or relu2, the fast recipe's), and
+    the LM head where it is a matrix of its own. The head decides which token comes out; a frozen one is what
+    held LoRA back most on a small base's conversations (docs/chat.md). A tied head is the embedding table,
+    which an adapter on the head alone would untie, so it is not adapted."""
+    blocks = tuple(t for t in DEFAULT_TARGETS if t != "w3" or model.ffn == "swiglu")
+    return blocks if model.tie_embeddings else (*blocks, "lm_head")
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,8 @@ class LoRAConfig:
     # The frozen weights' storage (the compute dtype is the plan's): "auto" holds them in 16 bits, fp16 on an
     # fp16 plan and bf16 on the others (float32 too: each weight is upcast at use); "fp32" keeps them as read.
     base_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # Tables of the base trained whole beside the adapters (peft's `modules_to_save`): any of `TRAINABLE_TABLES`.
+    train: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -208,6 +216,16 @@ class LoRAConfig:
             raise ScratchlmError(f"{source}: lora.alpha must be >= 0 (0: 2 × rank), got {self.alpha!r}")
         if self.rank and not self.targets:
             raise ScratchlmError(f"{source}: lora.targets is empty: name the blocks' matrices to adapt")
+        unknown = [name for name in self.train if name not in TRAINABLE_TABLES]
+        if unknown:
+            raise ScratchlmError(
+                f"{source}: lora.train names {unknown[0]!r}; it takes {', '.join(TRAINABLE_TABLES)}"
+            )
+        both = [name for name in self.train if name in self.targets]
+        if self.rank and both:
+            raise ScratchlmError(
+                f"{source}: {both[0]!r} is in lora.targets and lora.train: a table trained whole needs no adapter"
+            )
         if self.base_dtype not in BASE_DTYPES:
             raise ScratchlmError(
                 f"{source}: lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}"

@@ -137,6 +137,13 @@ class Linear(nn.Module):
         """Trainable parameters added to this matrix (LoRA's, `scratchlm.model.lora`); none for a plain one."""
         return []
 
+    def as_one_product(
+        self, x: Float[Tensor, "... d_in"]
+    ) -> tuple[Float[Tensor, "... d"], Float[Tensor, "d_out d"]]:
+        """`(x', W')` with `x' W'ᵀ` this layer's output: what takes the product whole, the fused LM head and
+        loss (`scratchlm.model.loss`). For a plain matrix, `(x, W)`."""
+        return x, self.weight
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 

@@ -40,6 +40,7 @@ from scratchlm.errors import ScratchlmError
 from scratchlm.model.config import LoRAConfig
 from scratchlm.model.layers import Embedding, Linear
 
+HEAD = "lm_head"  # the LM head, a target beside the blocks' matrices
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,7 +69,13 @@ class Adapters:
     def from_dict(cls, values: dict[str, Any]) -> Adapters:
         # `base_dtype` is recorded since it was added; older records train on as "auto" would
         base_dtype = values.get("base_dtype", "auto")
-        config = LoRAConfig(int(values["rank"]), float(values["alpha"]), tuple(values["targets"]), base_dtype)
+        config = LoRAConfig(
+            int(values["rank"]),
+            float(values["alpha"]),
+            tuple(values["targets"]),
+            base_dtype,
+            tuple(values.get("train", ())),
+        )
         return cls(config, values.get("base", ""), values.get("base_fingerprint", ""))
 
 
@@ -88,6 +95,15 @@ class LoRALinear(Linear):
 
     def adapters(self) -> list[nn.Parameter]:
         return [self.lora_A, self.lora_B]
+
+    def as_one_product(
+        self, x: Float[Tensor, "... d_in"]
+    ) -> tuple[Float[Tensor, "... d"], Float[Tensor, "d_out d"]]:
+        # x Wᵀ + s (x Aᵀ) Bᵀ = [x, s x Aᵀ] [W, B]ᵀ: the adapted head as one product of r more columns, which
+        # the fused loss takes whole (the logits are never made). W joins B's float32 for the product.
+        low_rank = self.scaling * (x @ self.lora_A.T.to(x.dtype))
+        weight = torch.cat([self.weight.to(self.lora_B.dtype), self.lora_B], dim=1)
+        return torch.cat([x.to(weight.dtype), low_rank.to(weight.dtype)], dim=-1), weight
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
@@ -112,22 +128,37 @@ def add_lora(linear: Linear, rank: int, scaling: float) -> LoRALinear:
 def apply_lora(
     model: nn.Module, adapters: Adapters, train: tuple[str, ...] = (), base_dtype: torch.dtype | None = None
 ) -> int:
-    """Adapt `model`'s blocks (`model.layers`) as `adapters.config` says and freeze everything else except the
-    parameters named in `train` (e.g. the embeddings of tokens the base lacked); the frozen matrices (the
+    """Adapt `model`'s blocks (`model.layers`, and the head where `lm_head` is a target) as `adapters.config`
+    says and freeze everything else except the tables `config.train` names and the parameters named in `train`
+    (e.g. the embeddings of tokens the base lacked); the frozen matrices (the
     blocks', the head, the embedding tables; not the gains) are stored in `base_dtype` when given (a 16-bit base
     halves its memory; see the module docstring), and compute as before. Records `adapters` as
     `model.lora_adapters`. Returns the number of matrices adapted; a target no block has is an error naming
     it."""
     config = adapters.config
     linears = {name: m for name, m in model.layers.named_modules() if isinstance(m, Linear)}
-    known = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    known = sorted({name.rsplit(".", 1)[-1] for name in linears}) + [HEAD]
     unknown = [t for t in config.targets if t not in known]
     if unknown:
         raise ScratchlmError(f"lora.targets: no block has a matrix {unknown[0]!r}; the blocks' are {known}")
+    if HEAD in config.targets:
+        if model.lm_head.weight is model.token_embeddings.weight:
+            raise ScratchlmError(
+                f"lora.targets names {HEAD!r}, but this base's head is its embedding table (tied): an adapter "
+                "there would move only the head's half; adapt the blocks, or train the table whole (lora.train)"
+            )
+        linears[HEAD] = model.lm_head
+    names = {name.split(".")[0] for name, _ in model.named_parameters()}  # a tied head: token_embeddings
+    absent = [table for table in config.train if table not in names]
+    if absent:
+        raise ScratchlmError(
+            f"lora.train names {absent[0]!r}, which this base has not"
+            + (" (its head is its embedding table: name token_embeddings)" if absent[0] == HEAD else "")
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     for name, p in model.named_parameters():
-        if name in train:
+        if name in train or name.split(".")[0] in config.train:
             p.requires_grad_(True)
     if base_dtype is not None:
         store_frozen(model, base_dtype)

@@ -60,6 +60,12 @@ OPTIMIZER_TENSORS = {"adamw": 2, "sgd": 0}  # float32 state tensors per paramete
 MATRIX_COMPONENTS = ("attention (W_Q, W_K, W_V, W_O)", "feed-forward")  # the "matrices" parameter group
 HEAD_ACTIVATIONS = ("final RMSNorm", "logits + cross-entropy")  # outside the blocks
 GAINS = ("RMSNorm gains", "U-net skip weights")  # vectors a LoRA base keeps in float32 (the rest are tables)
+# `lora.train`'s tables by their names in `parameter_counts`
+TABLES = {
+    "token_embeddings": "token embeddings",
+    "value_embeddings": "value embeddings",
+    "lm_head": "LM head",
+}
 
 
 @dataclass(frozen=True)
@@ -203,28 +209,33 @@ def lora_memory(
     """The estimate for one process of `world` training LoRA adapters (`lora`) on a frozen `config`, the
     other arguments as `rank_memory`'s (see the module docstring)."""
     matrices = block_matrices(config)
-    unknown = [t for t in lora.targets if t not in matrices]
+    unknown = [t for t in lora.targets if t not in matrices and t != "lm_head"]
     if unknown:
         raise ScratchlmError(
             f"lora.targets: the blocks have no matrix {unknown[0]!r}; theirs are {', '.join(matrices)}"
         )
     adapted = [shape for name, shape in matrices.items() if name in lora.targets]
+    head = "lm_head" in lora.targets  # (vocab, d): r (vocab + d) more, x Aᵀ once
     full = rank_memory(config, optimizer, precision, batch_size, grad_accum, world, "ddp", checkpointing)
     split = parameter_split(config)
     adapters = config.num_layers * lora.rank * sum(d_out + d_in for d_out, d_in in adapted)
-    gains = sum(n for name, n in parameter_counts(config).items() if name in GAINS)
+    adapters += head * lora.rank * (config.vocab_size + config.d_model)
+    counts = parameter_counts(config)
+    whole = sum(counts[TABLES[name]] for name in lora.train if TABLES[name] in counts)  # trained in float32
+    gains = sum(n for name, n in counts.items() if name in GAINS)
     stored = COMPUTE_BYTES[lora.base_precision(precision)]
-    frozen = (split.total - gains) * stored + gains * BYTES_FP32
+    frozen = (split.total - gains - whole) * stored + gains * BYTES_FP32
+    trained = adapters + whole
     moments = 0 if optimizer == "sgd" else OPTIMIZER_TENSORS["adamw"]
     # x Aᵀ of every adapted matrix; under checkpointing, of the one block recomputed at a time
     tokens = micro_batch(batch_size, world, grad_accum) * config.context_length
     blocks = 1 if checkpointing else config.num_layers
-    low_rank = blocks * len(adapted) * tokens * lora.rank * COMPUTE_BYTES[precision]
+    low_rank = (blocks * len(adapted) + head) * tokens * lora.rank * COMPUTE_BYTES[precision]
     return replace(
         full,
-        parameters=frozen + adapters * BYTES_FP32,
-        gradients=adapters * BYTES_FP32,
-        optimizer_state=moments * adapters * BYTES_FP32,
+        parameters=frozen + trained * BYTES_FP32,
+        gradients=trained * BYTES_FP32,
+        optimizer_state=moments * trained * BYTES_FP32,
         activations=full.activations + low_rank,
     )
 

@@ -229,7 +229,8 @@ class TransformerLM(ConfigModule):
             kv_cache.advance(seq)
         int8_head = self.lm_head.weight_scale is not None  # held in int8 for inference (`--quantize`)
         if targets is not None and not int8_head:
-            return fused_linear_cross_entropy(x, self.lm_head.weight, targets, self.config.logit_softcap)
+            hidden, weight = self.lm_head.as_one_product(x)  # (x, W), or with LoRA's columns on the head
+            return fused_linear_cross_entropy(hidden, weight, targets, self.config.logit_softcap)
         logits = self.lm_head(x[..., -1:, :] if last_only else x)
         if self.config.logit_softcap:
             # In at least float32 (tanh in bfloat16 would round most logits): about the identity for |z| << c
@@ -267,7 +268,7 @@ class TransformerLM(ConfigModule):
         if self.skip_weights is not None:
             gains.append(self.skip_weights)
         matrices = [m.weight for m in self.layers.modules() if isinstance(m, Linear)]
-        adapters = [p for m in self.layers.modules() if isinstance(m, Linear) for p in m.adapters()]
+        adapters = [p for m in self.modules() if isinstance(m, Linear) for p in m.adapters()]
         declared = {"matrices": matrices, "embeddings": embeddings, "head": head, "gains": gains}
         declared["adapters"] = adapters
         order = {id(p): i for i, p in enumerate(self.parameters())}

@@ -68,5 +68,6 @@ def adapt(
             f"{adapted} matrices ({', '.join(lora.targets)}); training {trainable:,} of {total:,} parameters "
             f"({trainable / total:.2%})"
             + (f", the grown {', '.join(grown)} among them" if grown else "")
+            + (f", the {', '.join(lora.train)} whole" if lora.train else "")
             + f"; the frozen weights stored in {str(stored or torch.float32).removeprefix('torch.')}"
         )
