@@ -20,10 +20,10 @@ greedily; the table gives exact match, and the default's share of the sweep's be
     python benchmarks/bench_sft.py --base RUN --lora 16                  # LoRA against full fine-tuning
 
 `--lora RANK` compares instead of sweeping: on each set, full fine-tuning at its defaults, then `sft --lora RANK`
-(every matrix of the base's blocks adapted, `lora.targets`' default; its rate measured the same way) with the
-same budget, back to back; the table gives both exact matches, the difference in points, the steps and tokens/s
-each reached and the threads it ran with (a machine busy with other work slows one run more than another), and
-the target (LoRA >= full - 3 points).
+(`lora.targets`' default: every matrix of the base's blocks and an untied head; its rate measured the same
+way) with the same budget, back to back; the table gives both exact matches, the difference in points, the
+steps and tokens/s each reached and the threads it ran with (a machine busy with other work slows one run
+more than another), and the target (LoRA >= full - 3 points).
 
 Without `--base`, the quickstart's base is trained first (`scratchlm quickstart --minutes 5`). Each finished run
 under --out is reused; delete it to measure again. The commands run this checkout's scratchlm (PYTHONPATH).

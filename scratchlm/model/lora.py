@@ -10,6 +10,11 @@ so the update the fine-tuning learns, `ΔW = (α / r) B A`, has rank at most r. 
 `A`. The scaling `α / r` keeps the size of the update the same across ranks for one learning rate: the default
 `α = 2 r` (a scaling of 2, whatever the rank) means a rate measured at one rank holds at another.
 
+The targets are the blocks' matrices and may be the LM head (`lm_head`): in the training loss the head's
+product is fused with the cross-entropy (`scratchlm.model.loss`), which takes one matrix, and the adapted
+head hands it one, `[x, s x Aᵀ] [W, B]ᵀ` (`LoRALinear.as_one_product`). Tables can also train whole beside
+the adapters (`LoRAConfig.train`, peft's `modules_to_save`).
+
 `apply_lora` patches the `Linear`s of the blocks in place (their class becomes `LoRALinear`, a `Linear` with
 the two extra parameters, so the state dict keeps every key of the base and adds `...q_proj.lora_A`,
 `...q_proj.lora_B`), and freezes every other parameter; `merge_lora` folds `W + (α/r) B A` back into `W` and

@@ -14,8 +14,8 @@
     [eval]        interval, iters, batch_size
     [checkpoint]  interval, keep
     [logging]     run_dir, log_interval, wandb, wandb_project, tensorboard, peak_tflops
-    [lora]        rank (0: none), alpha, targets: low-rank adapters on a frozen base, for the fine-tuning
-                  stages (scratchlm.model.lora; the section beside ModelConfig)
+    [lora]        rank (0: none), alpha, targets, base_dtype, train: low-rank adapters on a frozen base, for
+                  the fine-tuning stages (scratchlm.model.lora; the section beside ModelConfig)
     [sft]         base, train, valid, valid_fraction, added_tokens: fine-tuning on conversations (the chat
                   package's `sft` module, which registers it)
     [rl]          base, train, valid, valid_fraction, reward, reward_timeout_s, group_size, temperature,
