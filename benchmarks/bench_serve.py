@@ -20,6 +20,7 @@ the same traffic runs before anything is timed.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 8 --tokens 64 --threads 1
+    python benchmarks/bench_serve.py --decode int8     # compiled steps, the plan's precision against int8
 """
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ def main() -> None:
     parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto")
     parser.add_argument(
         "--decode",
-        choices=("both", "eager", "compiled"),
+        choices=("both", "eager", "compiled", "int8"),
         default="both",
-        help="the engine's decode steps: both side by side (default), or one",
+        help="the engine's decode steps: both side by side (default), or one; int8: compiled steps with the "
+        "weights in the plan's precision against the same with int8 weights (--quantize int8)",
     )
     args = parser.parse_args()
     # As `scratchlm serve` does: the plan's precision and threads (the free cores, or --threads).
@@ -128,11 +130,19 @@ def main() -> None:
         f"threads; {args.clients} clients × {args.tokens} new tokens, temperature {args.temperature}, "
         f"top-p {args.top_p}"
     )
-    ways = {"eager": False, "compiled": True}
-    if args.decode != "both":
+    ways = {"eager": (model, False), "compiled": (model, True)}
+    if args.decode == "int8":
+        # The same weights, each matrix held in int8 (`--quantize int8`), served with compiled steps.
+        torch.manual_seed(0)
+        int8 = prepare_for_inference(TransformerLM.from_config(config), choices, quantize="int8")
+        ways = {"compiled": ways["compiled"], "int8 compiled": (int8, True)}
+    elif args.decode != "both":
         ways = {args.decode: ways[args.decode]}
-    measured = {way: measure(model, tokenizer, prompts, compiled, args) for way, compiled in ways.items()}
-    print(f"\n| measure | {' | '.join(measured)} |" + (" compiled / eager |" if len(measured) == 2 else ""))
+    measured = {way: measure(m, tokenizer, prompts, compiled, args) for way, (m, compiled) in ways.items()}
+    names = list(measured)
+    print(
+        f"\n| measure | {' | '.join(names)} |" + (f" {names[-1]} / {names[0]} |" if len(names) == 2 else "")
+    )
     print("|---" * (len(measured) + 1 + (len(measured) == 2)) + "|")
     for label, key, unit, higher in ROWS:
         values = [m[key] for m in measured.values()]
