@@ -283,3 +283,17 @@ def test_measuring_the_machine_never_builds_the_kernel(monkeypatch):
     monkeypatch.setattr(int8_cpu, "load", lambda: pytest.fail("the kernel was built"))
     rates = int8_gbps(torch.device("cpu"), torch.float32)
     assert rates["kernel_1"] == rates["kernel_16"] == 0.0 and rates["dequantize_1"] > 0
+
+
+def test_the_measurement_times_the_form_the_layers_run(monkeypatch):
+    """The profile's "kernel" rates are those of the form a layer runs for that many rows (`int8_cpu.matmul`):
+    the int8 x int8 form at one token, the float form at 16, and nothing else of the kernel's."""
+    monkeypatch.setattr(rates_module, "INT8_REPEATS", 1)
+    monkeypatch.setattr(rates_module, "INT8_TOKENS", (1,))
+    with OpsRun() as ops:
+        one = rates_module.int8_gbps(CPU, torch.float32)
+    assert "int8_matmul_q8" in ops.names and "int8_matmul" not in ops.names and one["kernel_1"] > 0
+    monkeypatch.setattr(rates_module, "INT8_TOKENS", (16,))
+    with OpsRun() as ops:
+        sixteen = rates_module.int8_gbps(CPU, torch.float32)
+    assert "int8_matmul" in ops.names and "int8_matmul_q8" not in ops.names and sixteen["kernel_16"] > 0

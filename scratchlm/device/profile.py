@@ -55,8 +55,9 @@ from scratchlm.io import atomic_write
 MAX_AGE_DAYS = 7  # a cached profile older than this is measured again
 LOCK_WAIT_SECONDS = 120.0  # how long a process waits for another one's measurement before measuring itself
 # 2: fp16 is measured on CPUs too; 3: matrix-vector rates by weight layout; 4: how the profile was measured;
-# 5: int8 products each way; 6: scratchlm's int8 kernel among them
-CACHE_VERSION = 6
+# 5: int8 products each way; 6: scratchlm's int8 kernel among them; 7: that kernel timed in the form the layers
+# run (activations quantized too at one token), not its float form alone
+CACHE_VERSION = 7
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ def matvec_gbps(device: torch.device, dtype: torch.dtype, way: str, mib: int | N
 # The ways an int8 matrix with one scale a row (`--quantize int8`, `scratchlm.generation.quantize`) multiplies
 # activations eagerly (`DeviceProfile.int8_gbps`, `choices.choose_int8_matmul`): PyTorch's kernel
 # `aten._weight_int8pack_mm`, the weight dequantized into the activations' dtype and multiplied by the BLAS, or
-# scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu`, built at its first use).
+# scratchlm's CPU kernel (`scratchlm.kernels.int8_cpu`, built at its first use) in the form the layers run for
+# the rows (`int8_cpu.matmul`: the int8 x int8 form at one token, the float form at 16).
 INT8_WAYS = ("pack", "dequantize", "kernel")
 # The products timed: one token (a decode step), and 16 (a batched step, a short prefill).
 INT8_TOKENS = (1, 16)
@@ -172,9 +173,11 @@ def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     the `INT8_WAYS` at each of `INT8_TOKENS`, in GB/s of int8 weights read, keyed `"{way}_{tokens}"`
     ("pack_1", "dequantize_16", "kernel_1", ...); each the best of `INT8_REPEATS`. "pack" and "kernel" are
     0.0 where their kernel is missing (scratchlm's did not build), refuses `dtype`, or gives something other
-    than the dequantized product (within 2 % of its largest output). Measured on a CPU only: {} on another device, where inference keeps the dequantized
-    product. The matrix fits a CPU's caches (0.5 MiB): both ways read the same bytes, and what is compared is
-    how fast each turns them into the product."""
+    than the dequantized product (within 2 % of its largest output). "kernel" is timed in the form a layer
+    runs for that many rows (`int8_cpu.matmul`), activations quantized too at one token. Measured on a CPU
+    only: {} on another device, where inference keeps the dequantized product. The matrix fits a CPU's caches
+    (0.5 MiB): both ways read the same bytes, and what is compared is how fast each turns them into the
+    product."""
     if device.type != "cpu":
         return {}
     generator = torch.Generator().manual_seed(0)
@@ -184,7 +187,7 @@ def int8_gbps(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
         "pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, weight, scale),
         # Only where it is built already (`int8_cpu.ready`): `--quantize int8` builds it at its first use.
         "kernel": lambda x: (
-            int8_cpu.int8_matmul(x, weight, scale) if int8_cpu.ready() and int8_cpu.load() else None
+            int8_cpu.matmul(x, weight, scale) if int8_cpu.ready() and int8_cpu.load() else None
         ),
     }
     rates: dict[str, float] = {}
