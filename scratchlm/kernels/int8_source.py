@@ -35,9 +35,11 @@ void block(const float* x, int64_t K, const int8_t* w, const float* scale, float
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(w + j * K) + PREFETCH;
+  // An address as an integer: near a matrix's end it lies past the weights (a prefetch never faults).
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + j * K) + PREFETCH;
   for (; i + 8 <= K; i += 8) {
-    _mm_prefetch(ahead + i * R, _MM_HINT_T0);  // R * 8 bytes a step: the line PREFETCH bytes on
+    // R * 8 bytes a step: the line PREFETCH bytes on
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + i * R), _MM_HINT_T0);
     __m256 wv[R];
     for (int r = 0; r < R; ++r)
       wv[r] = _mm256_cvtepi32_ps(
@@ -165,9 +167,11 @@ void qblock(const Quantized& a, int64_t K, const int8_t* w, const float* scale, 
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  const char* ahead = reinterpret_cast<const char*>(w + j * K) + PREFETCH;
+  // An address as an integer: near a matrix's end it lies past the weights (a prefetch never faults).
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + j * K) + PREFETCH;
   for (; b < full; ++b) {
-    for (int l = 0; l < R * QB; l += 64) _mm_prefetch(ahead + b * R * QB + l, _MM_HINT_T0);  // R * 32 bytes
+    for (int l = 0; l < R * QB; l += 64)  // R * 32 bytes a block
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * R * QB + l), _MM_HINT_T0);
     __m256i wv[R];
     for (int r = 0; r < R; ++r)
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j + r) * K + b * QB));
