@@ -4,7 +4,8 @@ The model is the TinyStories shape of the CS336 assignment-1 handout (vocab 10,0
 4 layers, 16 heads, d_ff 1,344) with random weights (a token costs the same whatever the weights are), and
 exported with `scratchlm export --format gguf`'s writer: f32 for the fp32 rows, f16 for the bf16 ones, Q8_0 for
 the int8 ones (scratchlm's `--quantize int8`: int8 per output channel against llama.cpp's int8 per block of
-32, both a byte a weight; activations in float32 on scratchlm's side). Each side
+32, both a byte a weight; scratchlm's activations quantized per block of 32 too at one or two rows, as
+Q8_0's are, and float32 beyond). Each side
 decodes `--tokens` tokens after a 4-token prompt, batch 1, best of `--repeats`, in turns; a warm-up run first
 (scratchlm's compiles its decode step then: the compilation is paid once per process, as llama.cpp's model load
 is, and is printed apart). Rows:
