@@ -17,7 +17,7 @@ from scratchlm.cli import doctor, main
 from scratchlm.device.host import available_ram_bytes
 from scratchlm.device.profile import DeviceProfile
 from scratchlm.model import memory
-from scratchlm.model.config import LoRAConfig
+from scratchlm.model.config import LoRAConfig, default_lora_targets
 from scratchlm.model.lora import Adapters, apply_lora
 from scratchlm.model.loss import cross_entropy
 from scratchlm.model.memory import HEADROOM, MemoryBudget, lora_memory, rank_memory, suggest
@@ -328,7 +328,10 @@ def test_doctor_compares_a_lora_sft_config_with_full_fine_tuning_of_its_base(tmp
     assert report["precision"] == "fp32" and report["layout"] == "1 process"
     model = load_trained(str(base), "cpu").model
     assert report["full"]["parameters"] == tensor_bytes(model.parameters())
-    apply_lora(model, Adapters(LoRAConfig(rank=4)), base_dtype=torch.bfloat16)
+    # the targets sft gives a base when the config names none: its blocks' matrices and its untied head
+    targets = default_lora_targets(model.config)
+    assert "lm_head" in targets
+    apply_lora(model, Adapters(LoRAConfig(rank=4, targets=targets)), base_dtype=torch.bfloat16)
     assert report["lora"]["parameters"] == tensor_bytes(model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert report["lora"]["gradients"] == 4 * trained and report["lora"]["optimizer_state"] == 8 * trained
